@@ -89,7 +89,23 @@ def reseal(step: Path) -> None:
     for rel in data["files"]:
         size, digest = digest_file(step / rel, record.CHECKSUM)
         data["files"][rel] = {"bytes": size, record.CHECKSUM: digest}
+    data["bytes"] = sum(f["bytes"] for f in data["files"].values())
     marker.write_text(json.dumps(data))
+
+
+def restore_dir_of(root: Path, step: int, pid: int) -> Path:
+    """A restore's working copy of ``step`` in ``root`` as process ``pid`` of this host marks it (``removal.
+    start_restore_dir`` made in that process): ``.step-N.restore-PID``, its mark naming the host, pid and start."""
+    import json
+
+    from fastio.checkpoint import naming, removal
+    from fastio.dist import process_start
+
+    path = root / f".step-{step}.restore-{pid}"
+    os.replace(removal.start_restore_dir(root, step), path)
+    (path / naming.RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": pid,
+                                                          "start": process_start(pid), "time": time.time()}))
+    return path
 
 
 def free_port() -> int:

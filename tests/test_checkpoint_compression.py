@@ -157,6 +157,32 @@ def test_shuffled_files_restore_exactly_across_blocks(tmp_path, monkeypatch, siz
         assert (tmp_path / codec / "back").read_bytes() == data
 
 
+@pytest.mark.parametrize("codec", compress.CODECS)
+def test_a_write_that_fails_while_compressing_is_named_and_leaves_no_part(tmp_path, codec):
+    """Before: with "zstd+shuffle", a write of the compressed file that failed (a disk full mid-save) surfaced as
+    zstandard's `ZstdError: zstd compress error: Src size is incorrect` (the stream's close after the failed write),
+    naming neither the file nor the cause, and left NAME.zst.tmp behind. Now every codec says the OS's error,
+    naming the file; the plain file is left as it was. The failing write: a file-size limit (RLIMIT_FSIZE)."""
+    import os
+    import resource
+    import signal
+
+    src = tmp_path / "0" / "weights"
+    src.parent.mkdir()
+    data = os.urandom(3 << 20)  # does not compress: the stored file passes the limit
+    src.write_bytes(data)
+    limits = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # the write fails with EFBIG instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, limits[1]))
+    try:
+        with pytest.raises(CheckpointError, match=rf"^{src}: cannot compress: File too large$"):
+            compress.compress_file(src, compress.parse_compression(codec))
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, limits)
+        signal.signal(signal.SIGXFSZ, handler)
+    assert sorted(p.name for p in src.parent.iterdir()) == ["weights"] and src.read_bytes() == data
+
+
 def test_shuffle_pays_on_float_state(tmp_path):
     torch.manual_seed(0)
     data = (torch.randn(1 << 18) * 0.02).numpy().tobytes()  # 1 MiB of weight-like fp32 values

@@ -129,6 +129,48 @@ def test_unrecognised_commit_marker_is_skipped_not_deleted(tmp_path, caplog, dam
     assert [f for f in files if f.name != naming.COMMIT_FILE] == [f for f in kept if f.name != naming.COMMIT_FILE]
 
 
+@pytest.mark.parametrize("name", ["step-02", "step-\u0662"])  # a leading zero; an Arabic-Indic digit two
+def test_a_step_directory_renamed_to_another_spelling_of_its_step_is_no_step(tmp_path, caplog, capsys, name):
+    """Before: `step-02` (a step directory renamed by hand) was step 2 to `ckpt ls` and `ckpt verify` ("2 committed
+    checkpoints verified"), while a restore looked for `step-2`, warned that it had no commit marker and fell back to
+    step 1; a step 2 saved later stood beside it as a second step 2, which retention could delete in its place. Now
+    only fastio's own spelling, `step-N` in ASCII digits without a leading zero, is a step: the renamed directory
+    is nobody's step, listed by none and never deleted."""
+    root = tmp_path / "ck"
+    save_steps(root)
+    (root / "step-2").rename(root / name)
+    kept = sorted(p.relative_to(root / name) for p in (root / name).rglob("*"))
+    assert fastio_main(["ckpt", "verify", str(root)]) == 0
+    assert "1 committed checkpoint verified (step 1)" in capsys.readouterr().out
+    state, _, warned = restore(root, caplog)
+    assert state.step == 1 and warned == []
+    app = make_app()
+    with Checkpointer(root, signals=(), keep=1) as ckpt:
+        for step in (2, 3):
+            ckpt.save(step, app, blocking=True)
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == sorted([name, "step-3"])
+    assert sorted(p.relative_to(root / name) for p in (root / name).rglob("*")) == kept
+
+
+@pytest.mark.parametrize("damage", [marker_truncated, marker_newer])
+def test_ckpt_ls_says_unrecognised_for_a_step_whose_marker_it_cannot_read_not_incomplete(tmp_path, capsys, damage):
+    """Before: `fastio ckpt ls` listed a step whose commit marker it could not read (a newer fastio's version, a
+    damaged marker, one edited by hand) as `incomplete`, the word for an interrupted write, with nothing else in the
+    table: cleaning up incomplete steps deleted whole checkpoints (a newer fastio's were the only copy). Now such a
+    step is `unrecognised` (its problem in --json); a step without a marker is still `incomplete`."""
+    root = tmp_path / "ck"
+    save_steps(root)
+    damage(root / "step-2")
+    (root / "step-3.tmp").mkdir()
+    assert fastio_main(["ckpt", "ls", "--json", str(root)]) == 0
+    rows = {r["step"]: r for r in json.loads(capsys.readouterr().out)["checkpoints"]}
+    assert [rows[s]["state"] for s in (1, 2, 3)] == ["committed", "unrecognised", "incomplete"]
+    assert rows[2]["problem"].startswith(f"{root / 'step-2' / naming.COMMIT_FILE}: ")
+    assert fastio_main(["ckpt", "ls", str(root)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "unrecognised" in lines[2] and "incomplete" in lines[3]
+
+
 def test_a_later_save_of_a_skipped_step_does_not_replace_it(tmp_path, caplog):
     """Never delete data newer than the step restored: the damaged step-2 stays, also after step 2 is saved again."""
     root = tmp_path / "ck"

@@ -12,7 +12,7 @@ import textwrap
 from pathlib import Path
 
 import torch
-from helpers import StateHolder, run_cli
+from helpers import StateHolder, restore_dir_of, run_cli
 from torch import nn
 
 from fastio.checkpoint import Checkpointer, catalog, naming, removal, scan
@@ -137,7 +137,7 @@ def test_a_restore_of_another_live_process_keeps_its_directory_when_a_writer_res
         ckpt.save(1, {"m": model}, blocking=True)
     reader = subprocess.Popen(["sleep", "60"])  # a live process of this host, as the reader
     try:
-        live = removal.start_restore_dir(root, 1).rename(root / f".step-1.restore-{reader.pid}")
+        live = restore_dir_of(root, 1, reader.pid)
         (live / "m.bin").write_bytes(b"being read")
         dead = removal.start_restore_dir(root, 1).rename(root / ".step-1.restore-999999")
         with Checkpointer(root, signals=()) as ckpt:  # the trainer, relaunched

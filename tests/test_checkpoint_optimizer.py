@@ -155,6 +155,49 @@ def test_adam_and_adamw_are_told_apart(tmp_path, engine, saved_kind, app_kind):
                s.endswith("(optimizer left as it was)") for s in skipped), skipped
 
 
+class AdamW(torch.optim.AdamW):
+    """Another library's optimizer of the same class name as torch's (bitsandbytes' ``AdamW``): here a subclass,
+    so that its state and settings are torch's and only its class tells it apart."""
+
+
+@pytest.mark.parametrize("engine", ["torchsnapshot", "dcp"])
+def test_an_optimizer_of_another_module_with_the_same_class_name_is_told_apart(tmp_path, engine):
+    """Before: the classes the commit marker records were compared by their last name only, so a checkpoint of
+    torch's AdamW restored into another library's AdamW (bitsandbytes') without a word. Now module and qualified
+    name are compared: refused before anything loads, naming both; strict=False leaves that optimizer as it was."""
+    skipped = _refused_then_left(tmp_path, engine, lambda m: torch.optim.AdamW(m.parameters()),
+                                 lambda m: AdamW(m.parameters()),
+                                 "app key optim: the checkpoint's optimizer is a torch.optim.adamw.AdamW, the app's a "
+                                 f"{__name__}.AdamW")
+    assert any(s.startswith("app key optim: the checkpoint's optimizer is a ") for s in skipped), skipped
+
+
+@pytest.mark.parametrize("recorded", ["AdamW", "torch.optim._multi_tensor.adamw.AdamW"])
+def test_a_marker_naming_the_class_only_or_another_module_of_torch_still_restores(tmp_path, recorded):
+    """A marker that records an optimizer's class by its name only (an older fastio), or in another module of
+    torch.optim (another torch's layout), restores into torch's class of that name as before."""
+    import json
+
+    from fastio.checkpoint import naming
+
+    model = net()
+    optim = torch.optim.AdamW(model.parameters())
+    trained(model, optim)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(1, {"model": model, "optim": optim}, blocking=True)
+    marker = tmp_path / "ck" / "step-1" / naming.COMMIT_FILE
+    data = json.loads(marker.read_text())
+    data["optimizers"] = {"optim": recorded}
+    marker.write_text(json.dumps(data))
+    model2 = net(1)
+    optim2 = torch.optim.AdamW(model2.parameters())
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        assert ckpt.restore_latest({"model": model2, "optim": optim2}).step == 1
+    assert same(optim2.state_dict(), optim.state_dict())
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt, pytest.raises(CheckpointError, match="optimizer is a"):
+        ckpt.restore_latest({"model": net(1), "optim": torch.optim.Adam(net(1).parameters())})
+
+
 def test_a_checkpoint_without_the_optimizers_class_still_restores(tmp_path):
     """A commit marker of an older fastio records no optimizer class: its optimizer restores as before."""
     import json

@@ -5,6 +5,7 @@ changes nothing in the directory, and refuses to save; the refusal a second writ
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import StateHolder
+from helpers import StateHolder, restore_dir_of
 
 from fastio.checkpoint import Checkpointer, naming, scan
 from fastio.errors import CheckpointError
@@ -209,3 +210,178 @@ def test_a_killed_read_only_restore_on_s3_leaves_no_private_copy_behind(moto_ser
     finally:
         live.stdin.close()
         live.wait(timeout=60)
+
+
+KILLED_IN_DECOMPRESS = """
+    import os, signal, sys
+    import torch
+    sys.path.insert(0, "tests")
+    from helpers import StateHolder
+    from fastio.checkpoint import Checkpointer, compress
+
+    def killed(*args):  # the process dies as the first file is decompressed into its working copy
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    compress.restore_file = killed
+    Checkpointer(sys.argv[1], read_only=True, signals=()).restore_latest({"model": StateHolder({"w": torch.zeros(4)})})
+"""
+
+
+def test_a_killed_read_only_restore_of_a_compressed_checkpoint_is_cleaned_by_the_next_one(tmp_path):
+    """Before: a read-only restore of a compressed local checkpoint decompresses into `.step-N.restore-PID` in DIR;
+    killed, it left that copy there, and only a writer's restore ever removed it (an evaluation beside training
+    left one more copy per kill). Now the next restore, read-only too, removes the copies of ended processes (by pid
+    and start time), never a live one's, and leaves everything else in DIR as it was."""
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+        ckpt.save(1, {"model": StateHolder({"w": torch.full((4,), 1.0)})}, blocking=True)
+    script = tmp_path / "killed.py"
+    script.write_text(textwrap.dedent(KILLED_IN_DECOMPRESS))
+    before = tree(root)
+    killed = subprocess.run([sys.executable, str(script), str(root)], cwd=REPO, capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
+    assert killed.returncode == -9, killed.stderr
+    left = sorted(p.name for p in root.iterdir() if p.name.startswith(".step-1.restore-"))
+    assert len(left) == 1, sorted(p.name for p in root.iterdir())  # the kill left its working copy
+    live = subprocess.Popen(["sleep", "60"])  # a live process of this host, as another reader
+    try:
+        theirs = restore_dir_of(root, 1, live.pid)
+        (theirs / "model.bin").write_bytes(b"being read")
+        with Checkpointer(root, read_only=True, signals=()) as reader:
+            restored = app()
+            assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0
+        assert not (root / left[0]).exists()
+        assert (theirs / "model.bin").read_bytes() == b"being read"
+    finally:
+        live.kill()
+        live.wait()
+    shutil.rmtree(theirs)
+    assert tree(root) == before
+
+
+@pytest.mark.parametrize("other_step", [1, 2])
+def test_two_read_only_restores_of_compressed_steps_in_one_process_keep_their_copies(tmp_path, monkeypatch,
+                                                                                     other_step):
+    """Before: every restore of one process decompressed step N into the same `.step-N.restore-PID`, and counted
+    any such directory of its own pid as a leftover: a second read-only Checkpointer of the process (another thread:
+    an evaluation of several checkpoints at once) restoring while the first was reading deleted the first's copy
+    under it. Now each restore's copy is its own, and only ended restores' copies are leftovers."""
+    import threading
+
+    from fastio.checkpoint import compress
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": StateHolder({"w": torch.full((4,), float(step))})}, blocking=True)
+    real, started, go = compress.restore_file, threading.Event(), threading.Event()
+
+    def held(src, dst, codec):  # the first restore stops after decompressing its first file
+        real(src, dst, codec)
+        if threading.current_thread().name == "first":
+            started.set()
+            go.wait(60)
+
+    monkeypatch.setattr(compress, "restore_file", held)
+    got: dict[str, object] = {}
+
+    def first():
+        try:
+            with Checkpointer(root, read_only=True, signals=()) as reader:
+                restored = app()
+                got["first"] = (reader.restore_latest(restored, step=1).step, float(restored["model"].state["w"][0]))
+        except Exception as err:  # noqa: BLE001 - reported by the assertion below
+            got["first"] = err
+
+    thread = threading.Thread(target=first, name="first")
+    thread.start()
+    assert started.wait(60)
+    with Checkpointer(root, read_only=True, signals=()) as reader:
+        restored = app()
+        assert reader.restore_latest(restored, step=other_step).step == other_step
+    go.set()
+    thread.join(60)
+    assert got["first"] == (1, 1.0)
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".step-")]
+
+
+def test_a_read_only_restore_listing_while_retention_renames_the_only_step_finds_the_next(tmp_path, monkeypatch):
+    """Before: beside a training job with keep=1, a read-only restore that listed DIR just before the job committed
+    step 2 and renamed step 1 away (retention) found step 1 gone when it read its marker, and so no step at all:
+    restore_latest returned None, a fresh start's answer (an evaluation went on with untrained weights; 132 of 200
+    restores in a stress run). Now a listing that lost a step while it was read is taken again."""
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), keep=0) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"model": StateHolder({"w": torch.full((4,), float(step))})}, blocking=True)
+    later = tmp_path / "later"
+    (root / "step-2").rename(later)
+    real, moved = scan.read_commit, []
+
+    def training_moves_on(path):  # the job commits step 2 and retention renames step 1 away, after the listing
+        if Path(path).name == "step-1" and not moved:
+            moved.append(later.rename(root / "step-2"))
+            (root / "step-1").rename(root / naming.deleting_name("step-1"))
+        return real(path)
+
+    monkeypatch.setattr(scan, "read_commit", training_moves_on)
+    with Checkpointer(root, read_only=True, signals=()) as reader:
+        restored = app()
+        state = reader.restore_latest(restored)
+    assert moved and state is not None and state.step == 2 and float(restored["model"].state["w"][0]) == 2.0
+
+
+@pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
+def test_a_step_deleted_while_it_is_restored_is_named_so(tmp_path, monkeypatch, engine):
+    """Before: a step that the training job's retention (keep=1) deleted after the restore had checked it and before
+    the engine read it failed with what the engine then missed, with DCP `checkpoint has no state for app key
+    _fastio_rng on saving rank 0`, as if it were another app's checkpoint. Now the error says the step was deleted
+    while it was being restored, and what to do."""
+    from fastio.checkpoint.restore import Restorer
+
+    root = tmp_path / "ck"
+    with Checkpointer(root, signals=(), engine=engine) as ckpt:
+        ckpt.save(1, {"model": StateHolder({"w": torch.full((4,), 1.0)})}, blocking=True)
+    real = Restorer._open
+
+    def retention_meanwhile(self, path, *args, **kwargs):  # the job's retention renames it away, then deletes it
+        shutil.rmtree(Path(path).rename(root / naming.deleting_name("step-1")))
+        return real(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(Restorer, "_open", retention_meanwhile)
+    with Checkpointer(root, read_only=True, signals=()) as reader:
+        with pytest.raises(CheckpointError, match=rf"^{root / 'step-1'}: deleted while it was being restored "
+                                                  r"\(by the retention of the job writing the directory\? keep it at "
+                                                  r"keep=2 or more beside a read-only restore\): "):
+            reader.restore_latest(app())
+
+
+def test_a_read_only_restore_of_a_compressed_step_on_a_read_only_mount_decompresses_elsewhere(tmp_path,
+                                                                                             monkeypatch):
+    """Before: a read-only restore (evaluation) of a compressed checkpoint on a read-only mount failed with
+    `.step-1.restore-PID: cannot create: Read-only file system`: its working copy could only be in DIR. Now a
+    read-only restore of one rank that cannot write DIR decompresses into a private temporary directory (marked,
+    removed when the restore ends; a killed one's by the next), and DIR is left as it was."""
+    import subprocess
+    import tempfile
+
+    where = tmp_path / "mnt"
+    where.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(where)],
+                      capture_output=True).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here (needs root)")
+    try:
+        root = where / "ck"
+        with Checkpointer(root, signals=(), compression="zstd") as ckpt:
+            ckpt.save(1, {"model": StateHolder({"w": torch.full((4,), 1.0)})}, blocking=True)
+        subprocess.run(["mount", "-o", "remount,ro", str(where)], check=True)
+        before = tree(root)
+        tmp = tmp_path / "tmp"
+        tmp.mkdir()
+        monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+        with Checkpointer(root, read_only=True, signals=()) as reader:
+            restored = app()
+            assert reader.restore_latest(restored).step == 1 and float(restored["model"].state["w"][0]) == 1.0
+        assert tree(root) == before and list(tmp.iterdir()) == []
+    finally:
+        subprocess.run(["umount", str(where)], check=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -109,9 +110,43 @@ def test_a_version_1_marker_reads_with_that_versions_meaning():
 
 
 @pytest.mark.parametrize(("field", "value"), [("engine", 5), ("epoch", "one"), ("metrics", [1]), ("step", True),
-                                              ("world_size", 1.5)])
+                                              ("world_size", 1.5), ("metrics", {"loss": "x"}),
+                                              ("metrics", {"loss": True})])
 def test_a_marker_field_of_the_wrong_type_is_one_error_naming_the_file_and_field(tmp_path, field, value):
+    """A metric that is no number (a marker edited by hand) was read as is: `fastio ckpt ls` then failed with a
+    raw `ValueError: Unknown format code 'g' for object of type 'str'`, and a restore handed it back as a metric."""
     good = CommitRecord.new({}, step=1, info=CommitInfo(engine="torchsnapshot", progress=Progress()))
     text = json.dumps({**json.loads(good.encode()), field: value}).encode()
     with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker (field '{field}'|lacks 'files' or 'step')"):
         parse_commit(text, f"{tmp_path}/m")
+
+
+@pytest.mark.parametrize("rel", ["../step-1/fastio-commit.json", "/etc/hostname", "a/../../b", "", "a//b", "./a"])
+def test_a_marker_listing_a_path_outside_its_step_is_one_error_naming_it(tmp_path, rel):
+    """Before: a marker (edited by hand, or untrusted) could list `../step-1/...` or `/etc/hostname`: ckpt verify and a
+    restore read (hashed) that file outside the step, and a restore of a compressed step wrote its decompressed copy
+    to the same path under its working directory's parent. Now a listed path must be a plain relative path inside
+    the step (as the writer lists them): anything else is one error naming the file and the path."""
+    good = CommitRecord.new({"x": {"bytes": 1, CHECKSUM: "ab"}}, step=1,
+                            info=CommitInfo(engine="torchsnapshot", progress=Progress()))
+    data = json.loads(good.encode())
+    data["files"][rel] = data["files"]["x"]
+    with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker lists {re.escape(repr(rel))}, not a "
+                                              r"relative path inside the step$"):
+        parse_commit(json.dumps(data).encode(), f"{tmp_path}/m")
+
+
+def test_a_marker_whose_files_do_not_add_up_to_its_total_is_one_error(tmp_path):
+    """Before: a marker that lost a file's entry (edited by hand; `"files": {}` at worst) still parsed, and a
+    restore loaded the step reading the unlisted files unchecked (ckpt verify said `not listed in the commit
+    marker`, exit 1). Now the listed sizes must add up to the marker's own total (`bytes`, which every marker since
+    version 2 holds): one error naming the file, and the step is unrecognised, so a restore falls back."""
+    good = CommitRecord.new({"a": {"bytes": 3, CHECKSUM: "ab"}, "b": {"bytes": 4, CHECKSUM: "cd"}}, step=1,
+                            info=CommitInfo(engine="torchsnapshot", progress=Progress()))
+    data = json.loads(good.encode())
+    assert parse_commit(json.dumps(data).encode(), "m").bytes == 7
+    for files in ({"a": data["files"]["a"]}, {}):
+        with pytest.raises(CheckpointError, match=rf"^{tmp_path}/m: commit marker lists {len(files)} files? of "
+                                                  rf"{sum(f['bytes'] for f in files.values())} bytes, its total "
+                                                  r"says 7 \(a file's entry lost\?\)$"):
+            parse_commit(json.dumps({**data, "files": files}).encode(), f"{tmp_path}/m")

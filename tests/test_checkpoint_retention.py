@@ -104,3 +104,27 @@ def test_a_kill_while_an_expired_step_is_deleted_leaves_it_hidden_for_the_next_r
         assert ckpt.restore_latest(app).step == 2
     assert torch.equal(app["model"].state["w"], torch.full((4,), 2.0))
     assert hidden(root) == [] and visible(root) == ["step-2"]
+
+
+def test_an_expired_step_that_is_a_symlink_goes_as_a_link_and_its_target_stays(tmp_path, caplog):
+    """Before: a step directory moved to another disk and symlinked back (step-1 -> elsewhere/step-1) was renamed to
+    `.step-1.deleting-PID` by retention, and then the deletion failed silently (rmtree refuses a link): the hidden
+    link stayed in DIR for good, every later start failing again, and the target was never said to be left. Now the
+    link is removed, the target (which may be the only copy, and is not under DIR) is kept and a warning names it."""
+    import logging
+
+    root, away = tmp_path / "ck", tmp_path / "elsewhere"
+    away.mkdir()
+    with Checkpointer(root, signals=(), keep=2) as ckpt:
+        ckpt.save(1, app_at(1), blocking=True)
+        ckpt.save(2, app_at(2), blocking=True)
+    shutil.move(root / "step-1", away / "step-1")
+    (root / "step-1").symlink_to(away / "step-1")
+    files = sorted(p.relative_to(away) for p in away.rglob("*"))
+    with caplog.at_level(logging.WARNING, logger="fastio"), Checkpointer(root, signals=(), keep=2) as ckpt:
+        restored = app_at(0)
+        assert ckpt.restore_latest(restored).step == 2
+        ckpt.save(3, app_at(3), blocking=True)
+    assert visible(root) == ["step-2", "step-3"] and hidden(root) == []
+    assert sorted(p.relative_to(away) for p in away.rglob("*")) == files
+    assert any(str(away / "step-1") in r.getMessage() and "left in place" in r.getMessage() for r in caplog.records)

@@ -177,6 +177,28 @@ def test_a_group_whose_loader_differs_from_its_peers_is_refused_as_it_heals(hous
         m.shutdown(wait=False)
 
 
+def test_a_group_with_a_loader_its_peer_lacks_is_refused_as_it_heals_naming_it(house, image_dataset):
+    """Before: a healing group with two Loaders registered on its Manager (fastio_loader, fastio_loader_1) whose
+    peer had one got a raw `KeyError: 'fastio_loader_1'` from torchft's should_commit, after its first Loader had
+    taken the peer's position. Now its batch is refused before torchft applies the peer's state, naming the Loader
+    the peer lacks and both groups' Loaders."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    stores = group_store(), group_store()
+    m0 = manager(stores[0].port, house, 0)
+    l0 = _loader(image_dataset, options, m0)
+    steps([(m0, l0)], 2)
+    m1 = manager(stores[1].port, house, 1)
+    l1, l1b = _loader(image_dataset, options, m1), _loader(image_dataset, options, m1)
+    with pytest.raises(LoaderStateError, match=r"^this group's Loader fastio_loader_1 \(registered on its "
+                                               r"torchft\.Manager\) is not in the state of the peer it heals "
+                                               r"from, whose Loaders are fastio_loader"):
+        steps([(m0, l0), (m1, l1)], 1)
+    for m, loaders in ((m0, (l0,)), (m1, (l1, l1b))):
+        for loader in loaders:
+            loader.close()
+        m.shutdown(wait=False)
+
+
 def _checkpoint_at(house: str, target, options: dict, ck_dir: Path, count: int, **more) -> None:
     """A one-group torchft run of ``count`` steps, its Loader and Manager (and ``more``) saved at step ``count``."""
     store = group_store()

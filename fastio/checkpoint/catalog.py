@@ -215,15 +215,19 @@ def list_checkpoints(root: Path) -> list[dict]:
         size = e.commit.bytes if e.commit else None
         if size is None:
             size = sum(p.stat().st_size for p in e.path.rglob("*") if p.is_file())
-        rows.append(listing_row(e.step, str(e.path), e.commit, size, e.problem))
+        rows.append(listing_row(e.step, str(e.path), e.commit, size, e.problem,
+                                marker=not e.temporary and (e.path / COMMIT_FILE).is_file()))
     return rows
 
 
-def listing_row(step: int, where: str, commit: CommitRecord | None, size: int, problem: str | None) -> dict:
-    """One row of :func:`list_checkpoints` (``commit``: the parsed marker of a committed step, else None)."""
+def listing_row(step: int, where: str, commit: CommitRecord | None, size: int, problem: str | None, *,
+                marker: bool = False) -> dict:
+    """One row of :func:`list_checkpoints` (``commit``: the parsed marker of a committed step, else None; ``marker``:
+    the step holds a commit marker, which, not parsed, is one this fastio cannot read: ``unrecognised``, never
+    ``incomplete``, the state of an interrupted write, whose cleanup would delete a whole checkpoint)."""
     c = commit
     state = ("committed" if c else "superseded" if problem == SUPERSEDED else
-             "quarantined" if QUARANTINE_SUFFIX in where else "incomplete")
+             "quarantined" if QUARANTINE_SUFFIX in where else "unrecognised" if marker else "incomplete")
     return {"step": step, "path": where, "committed": c is not None, "state": state, "bytes": size,
             "engine": c.engine if c else None, "checksum": c.checksum if c else None,
             "compression": c.compression if c else None, "time_utc": c.time_utc if c else None,
@@ -266,7 +270,7 @@ def list_steps(where: str | Path, storage_options: dict | None = None) -> tuple[
             problem = f"{storage.url_of(name)}: no {COMMIT_FILE} (an upload in progress, or one that failed)"
         size = commit.bytes if commit else None
         rows.append(listing_row(step, storage.url_of(name), commit,
-                                sum(sizes.values()) if size is None else size, problem))
+                                sum(sizes.values()) if size is None else size, problem, marker=COMMIT_FILE in sizes))
     for name, (step, size) in _quarantined(storage).items():
         rows.append(listing_row(step, storage.url_of(name), None, size, "quarantined: moved aside by fastio "
                                 "(a superseded step of the number a new one took)"))

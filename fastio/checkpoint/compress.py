@@ -128,9 +128,11 @@ def compress_file(path: Path, comp: Compression) -> Path:
         with open(path, "rb") as src, open(part, "wb") as dst:
             size = os.fstat(src.fileno()).st_size
             if comp.codec == SHUFFLE:
-                with cctx.stream_writer(dst, size=size, write_size=_CHUNK, closefd=False) as w:
-                    while block := _read_block(src):
-                        w.write(_shuffle(block))
+                # No ``with``: its close after a failed write would raise zstd's "Src size is incorrect" instead.
+                w = cctx.stream_writer(dst, size=size, write_size=_CHUNK, closefd=False)
+                while block := _read_block(src):
+                    w.write(_shuffle(block))
+                w.close()
             else:
                 cctx.copy_stream(src, dst, size=size, read_size=_CHUNK, write_size=_CHUNK)
             dst.flush()
@@ -139,6 +141,9 @@ def compress_file(path: Path, comp: Compression) -> Path:
     except OSError as err:
         part.unlink(missing_ok=True)
         raise CheckpointError(f"{path}: cannot compress: {err.strerror or err}") from None
+    except Exception as err:  # noqa: BLE001 - zstandard.ZstdError (the file changed size meanwhile), named here
+        part.unlink(missing_ok=True)
+        raise CheckpointError(f"{path}: cannot compress: {err}") from None
     path.unlink()
     return out
 

@@ -90,7 +90,8 @@ class CheckpointConfig:
 
     read_only: bool = False
     """Restore only (e.g. evaluation beside training): no lock or lease is taken (the training job holds them),
-    nothing under ``dir`` is cleaned, moved aside, superseded or deleted, and ``save``/``maybe_save`` raise. With
+    nothing under ``dir`` is cleaned, moved aside, superseded or deleted (but a compressed step's working copy,
+    ``.step-N.restore-PID``, and those of ended restores a kill left), and ``save``/``maybe_save`` raise. With
     an ``s3://`` dir and no ``staging_dir``, steps are downloaded into a private temporary directory that
     ``close`` removes (the default staging directory may be the training job's), and which the next read-only
     Checkpointer of the host removes once a kill left it (:func:`fastio.checkpoint.removal.start_private_staging`)."""

@@ -2,7 +2,7 @@
 
 ``step-N/`` a committed step (its marker :data:`COMMIT_FILE`), ``step-N.tmp/`` one being written (the writer's mark
 :data:`WRITING_FILE`), ``step-N.quarantined[-k]/`` one moved aside, ``.step-N.deleting-PID/`` one being deleted,
-``.step-N.restore-PID/`` a restore's decompressed copy (its mark :data:`RESTORING_FILE`). Only names here: what the
+``.step-N.restore-PID[-K]/`` a restore's decompressed copy (its mark :data:`RESTORING_FILE`). Only names here: what the
 files in them mean is in :mod:`fastio.checkpoint.scan` (what is committed) and :mod:`fastio.checkpoint.removal`
 (what may be deleted).
 """
@@ -39,10 +39,13 @@ WRITING_FILE = "fastio-writing.json"
 QUARANTINE_SUFFIX = ".quarantined"
 RESTORING_FILE = "fastio-restoring.json"
 """The mark in a restore's private directory: proof that fastio made it."""
-_DELETING_RE = re.compile(r"^\.step-(\d+)(\.tmp)?\.deleting-(\d+)$")
-_STEP_RE = re.compile(r"^step-(\d+)(\.tmp)?$")
-_QUARANTINE_RE = re.compile(r"^step-(\d+)(\.tmp)?\.quarantined(-\d+)?$")
-_RESTORE_RE = re.compile(r"^\.step-(\d+)\.restore-(\d+)$")
+_N = r"(0|[1-9][0-9]*)"
+"""A step in a name: as :func:`step_name` spells it (ASCII digits, no leading zero): ``step-02`` (a directory renamed
+by hand) is no step, or it would be a second step 2 beside ``step-2``, and a restore would look for it as ``step-2``."""
+_DELETING_RE = re.compile(rf"^\.step-{_N}(\.tmp)?\.deleting-([0-9]+)$")
+_STEP_RE = re.compile(rf"^step-{_N}(\.tmp)?$")
+_QUARANTINE_RE = re.compile(rf"^step-{_N}(\.tmp)?\.quarantined(-[0-9]+)?$")
+_RESTORE_RE = re.compile(rf"^\.step-{_N}\.restore-([0-9]+)(-[0-9]+)?$")
 
 
 def step_name(step: int) -> str:
@@ -101,7 +104,8 @@ def is_deleting_name(name: str) -> bool:
 
 
 def parse_restore_name(name: str) -> int | None:
-    """The pid of a restore directory's name ``.step-N.restore-PID``; None for any other name."""
+    """The pid of a restore directory's name ``.step-N.restore-PID`` (``-K``: another restore of that process at
+    once); None for any other name."""
     m = _RESTORE_RE.match(name)
     return int(m.group(2)) if m else None
 
@@ -114,6 +118,7 @@ def tmp_dir(root: Path, step: int) -> Path:
     return Path(root) / f"{step_name(step)}.tmp"
 
 
-def restore_dir(root: Path, step: int, pid: int | None = None) -> Path:
-    """The private directory a restore of ``step`` decompresses into (hidden: never a step's name)."""
-    return Path(root) / f".{step_name(step)}.restore-{os.getpid() if pid is None else pid}"
+def restore_dir(root: Path, step: int, pid: int | None = None, k: int = 1) -> Path:
+    """The private directory a restore of ``step`` decompresses into (hidden: never a step's name); ``k`` > 1: the
+    ``k``-th restore of that step by one process at once (``.step-N.restore-PID-K``)."""
+    return Path(root) / f".{step_name(step)}.restore-{os.getpid() if pid is None else pid}{f'-{k}' if k > 1 else ''}"

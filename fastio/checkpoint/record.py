@@ -25,6 +25,7 @@ from typing import Any
 from fastio.checkpoint.engines import DEFAULT_ENGINE
 from fastio.checks import checked, is_type, read_checked
 from fastio.errors import CheckpointError
+from fastio.words import count
 
 __all__ = ["CHECKSUM", "COMMIT_FORMAT", "COMMIT_VERSION", "COMPRESSED_VERSION", "READ_VERSIONS", "CommitInfo",
            "CommitRecord", "Progress", "parse_commit"]
@@ -39,13 +40,20 @@ CHECKSUM = "xxh3_128"
 """The checksum new commits record per file (see :mod:`fastio.storage.checksum`)."""
 
 
+def _numbers(values: Mapping[str, Any]) -> str | None:
+    """The problem with a dict of metrics: a value that is no number (never a bool)."""
+    bad = next((k for k, v in values.items() if isinstance(v, bool) or not isinstance(v, (int, float))), None)
+    return None if bad is None else f"expected a number for {bad!r}"
+
+
 @dataclass(frozen=True)
 class Progress:
     """A save's progress, as rank 0 saw it: what ``restore_latest`` hands back in its ``TrainState``."""
 
     epoch: int = checked(is_type(int), default=-1)
     """The epoch given to (or found by) ``maybe_save``; -1 when unknown."""
-    metrics: Mapping[str, float] = checked(is_type(dict), default_factory=dict)
+    metrics: Mapping[str, float] = checked(lambda v: is_type(dict)(v) or _numbers(v), default_factory=dict)
+    """Name -> number (a save refuses any other metric)."""
     elapsed: float = checked(is_type(int, float), default=0.0)
     """Seconds of training (summed over restarts) up to the save."""
     hparams: Mapping[str, Any] = checked(is_type(dict), default_factory=dict)
@@ -133,9 +141,30 @@ def _files(data: dict, where: str) -> dict[str, dict[str, Any]]:
     if not isinstance(files, dict) or not isinstance(data.get("step"), int) or isinstance(data.get("step"), bool):
         raise CheckpointError(f"{where}: commit marker lacks 'files' or 'step'")
     for rel, rec in files.items():
+        if not _inside(rel):
+            raise CheckpointError(f"{where}: commit marker lists {rel!r}, not a relative path inside the step")
         if not isinstance(rec, dict):
             raise CheckpointError(f"{where}: commit marker entry for {rel!r} is {rec!r}, expected a dict")
     return files
+
+
+def _check_total(files: Mapping[str, Mapping[str, Any]], total: int | None, where: str) -> None:
+    """CheckpointError when the listed files' sizes do not add up to the marker's total (``bytes``, written with
+    them): a marker that lost a file's entry, whose file a restore would read unchecked. Nothing to compare in a
+    marker without a total (version 1) or with a size that is no integer (named by the file's check)."""
+    sizes = [rec.get("bytes") for rec in files.values()]
+    if total is None or not all(isinstance(n, int) and not isinstance(n, bool) for n in sizes):
+        return
+    if sum(sizes) != total:
+        raise CheckpointError(f"{where}: commit marker lists {count(len(sizes), 'file')} of {sum(sizes)} bytes, its "
+                              f"total says {total} (a file's entry lost?)")
+
+
+def _inside(rel: str) -> bool:
+    """A listed file's path as the writer lists them: relative, ``/``-separated, no empty, ``.`` or ``..`` part (a
+    marker listing another is edited or untrusted: its files would be read, and a compressed step's written, outside
+    the step)."""
+    return all(part not in ("", ".", "..") for part in rel.split("/"))
 
 
 def parse_commit(text: bytes, where: str) -> CommitRecord:
@@ -157,5 +186,6 @@ def parse_commit(text: bytes, where: str) -> CommitRecord:
         values["time"] = float(values["time"])
     if not values.get("compression"):
         values.pop("compression", None)
+    _check_total(files, values.get("bytes"), where)
     return CommitRecord(version=data["version"], step=data["step"], files=files, progress=_progress(data, where),
                         **values)

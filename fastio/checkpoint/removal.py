@@ -7,7 +7,8 @@
 - committed checkpoints older than the newest ``keep`` (:mod:`fastio.checkpoint.retention`), each renamed to a
   hidden ``.step-N.deleting-PID`` first (:func:`hide_step`, on the save's path) and then deleted
   (:func:`finish_removal`, after the save counts as done; both: :func:`remove_step`); :func:`remove_abandoned`
-  finishes such a deletion a kill cut short;
+  finishes such a deletion a kill cut short; a step that is a link goes as a link, its target (outside DIR)
+  left in place with a warning;
 - with an ``s3://`` dir staged node-locally, each node's ``step-N.tmp`` once its files are uploaded and the
   commit marker is on the store (:mod:`fastio.checkpoint.commit`; no node holds the whole step);
 - on an ``s3://`` store, while holding its lease: committed steps older than the newest ``keep`` (marker
@@ -17,9 +18,11 @@
   mark or its half-written ``.fastio-writing.json.tmp`` (a kill between creating the temporary and publishing
   its mark): :func:`remove_abandoned` deletes it (no data can be in it);
 - a ``.step-N.restore-PID`` holding ``fastio-restoring.json`` (a restore's decompressed copy of a committed
-  step, made by :func:`start_restore_dir`, left by a killed process): :func:`remove_abandoned` deletes it once
-  process PID of the host its mark names has ended (another host's: a day after its mark was written), never
-  under a restore still reading it (a read-only one beside training);
+  step, made by :func:`start_restore_dir`, left by a killed process): :func:`remove_ended_restores` deletes it
+  once process PID of the host its mark names has ended (by pid and, where the mark has it, the process's start
+  time; another host's: a day after its mark was written), never under a restore still reading it (a read-only
+  one beside training); a writer's :func:`remove_abandoned` and a read-only restore's start of its own copy
+  call it;
 - a private download directory of a read-only restore of an ``s3://`` dir without ``staging_dir``
   (``<tmp>/fastio-ckpt-restore-*``, marked with its process's host, pid and start time: :func:`start_private_staging`),
   which ``close`` removes, left by a killed process: the next :func:`start_private_staging` of this host deletes it
@@ -34,12 +37,16 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import logging
 import os
 import shutil
 import socket
 import tempfile
+import threading
 import time
+from functools import partial
 from pathlib import Path
 
 from fastio.checkpoint.naming import (
@@ -54,11 +61,13 @@ from fastio.checkpoint.naming import (
 )
 from fastio.checkpoint.rollback import finish_rollback
 from fastio.checkpoint.scan import StepEntry, holds_only_writer_marks, scan
-from fastio.dist import process_ended, process_gone, process_start
+from fastio.dist import process_ended, process_start
 from fastio.storage.atomic import atomic_write_bytes, fsync_dir
 
-__all__ = ["OTHER_HOST_RESTORE_S", "finish_removal", "hide_step", "quarantine", "remove_abandoned", "remove_step",
-           "start_private_staging", "start_restore_dir"]
+__all__ = ["OTHER_HOST_RESTORE_S", "end_restore_dir", "finish_removal", "hide_step", "quarantine",
+           "remove_abandoned", "remove_ended_restores", "remove_step", "start_private_staging", "start_restore_dir"]
+
+log = logging.getLogger(__name__)
 
 PRIVATE_STAGING_PREFIX = "fastio-ckpt-restore-"
 """The name of a read-only restore's private download directory begins so (:func:`start_private_staging`)."""
@@ -108,7 +117,20 @@ def finish_removal(doomed: list[Path]) -> None:
     except OSError:
         return
     for path in doomed:
-        shutil.rmtree(path, ignore_errors=True)
+        _delete(path)
+
+
+def _delete(path: Path) -> None:
+    """Delete a renamed-away step's files; a step that is a link (moved to another disk and linked back) goes as
+    a link: its target, outside DIR and maybe the only copy, is left in place, with a warning naming it."""
+    path = Path(path)
+    if path.is_symlink():
+        target = os.readlink(path)
+        path.unlink(missing_ok=True)
+        log.warning("fastio: expired checkpoint %s was a link to %s: the link removed, %s left in place", path,
+                    target, target)
+        return
+    shutil.rmtree(path, ignore_errors=True)
 
 
 def quarantine(path: Path) -> Path:
@@ -121,16 +143,37 @@ def quarantine(path: Path) -> Path:
     return target
 
 
+_LIVE: set[str] = set()
+"""This process's restore directories in use (:func:`start_restore_dir` to :func:`end_restore_dir`): another
+restore of the process (another Checkpointer, another thread) neither takes nor deletes them."""
+_LIVE_LOCK = threading.Lock()
+
+
 def start_restore_dir(root: Path, step: int) -> Path:
-    """Create (empty, marked) this process's restore directory for ``step``: the mark is what
-    :func:`remove_abandoned` recognises."""
-    path = restore_dir(root, step)
-    if path.exists():  # this pid's own, from an earlier restore that could not clean up
-        shutil.rmtree(path)
-    path.mkdir()
-    (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
-                                                   "time": time.time()}))
+    """Create (empty, marked with this process's host, pid and start time) a restore directory of this process for
+    ``step``, its own until :func:`end_restore_dir` (``-K`` when another restore of the process uses the plain name):
+    the mark is what :func:`remove_ended_restores` recognises."""
+    with _LIVE_LOCK:
+        path = next(p for p in map(partial(restore_dir, root, step, None), itertools.count(1))
+                    if str(p) not in _LIVE)
+        _LIVE.add(str(path))
+    try:
+        if path.exists():  # this process's own, from an earlier restore that could not clean up
+            shutil.rmtree(path)
+        path.mkdir()
+        (path / RESTORING_FILE).write_text(json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                       "start": process_start(os.getpid()), "time": time.time()}))
+    except BaseException:
+        end_restore_dir(path)
+        raise
     return path
+
+
+def end_restore_dir(path: Path) -> None:
+    """Delete a restore directory :func:`start_restore_dir` made, once its restore is done with it."""
+    shutil.rmtree(path, ignore_errors=True)
+    with _LIVE_LOCK:
+        _LIVE.discard(str(path))
 
 
 def start_private_staging() -> Path:
@@ -164,21 +207,23 @@ def _private_staging_abandoned(child: Path) -> bool:
 
 
 def _restore_abandoned(child: Path) -> bool:
-    """``child`` is a marked ``.step-N.restore-PID`` whose restore has ended: PID (its name's) gone from the host
-    its mark names, or another host's mark older than :data:`OTHER_HOST_RESTORE_S`."""
+    """``child`` is a marked ``.step-N.restore-PID`` whose restore has ended: PID (its name's) of the host its mark
+    names ended (:func:`~fastio.dist.process_ended`, by the start time its mark holds: a reused pid is another
+    process), or another host's mark older than :data:`OTHER_HOST_RESTORE_S`."""
     pid = parse_restore_name(child.name)
-    if pid is None or not child.is_dir() or not (child / RESTORING_FILE).is_file():
+    if pid is None or child.is_symlink() or not child.is_dir() or not (child / RESTORING_FILE).is_file():
         return False
     try:
         mark = json.loads((child / RESTORING_FILE).read_text())
-        host, started = mark.get("host"), float(mark.get("time", 0))
+        host, started, start = mark.get("host"), float(mark.get("time", 0)), mark.get("start")
     except (OSError, ValueError, TypeError, AttributeError):
         return True  # a mark cut short by a kill
     if host != socket.gethostname():
         return time.time() - started > OTHER_HOST_RESTORE_S
-    if pid == os.getpid():
-        return True  # this process's own, from a restore that could not clean up
-    return process_gone(pid)
+    if pid == os.getpid():  # this process's own: a leftover unless a restore of the process is using it
+        with _LIVE_LOCK:
+            return str(child) not in _LIVE
+    return process_ended(pid, start if isinstance(start, int) and not isinstance(start, bool) else None)
 
 
 def _is_empty_quarantined_tmp(path: Path) -> bool:
@@ -189,14 +234,26 @@ def _is_empty_quarantined_tmp(path: Path) -> bool:
             and holds_only_writer_marks(path))
 
 
+def remove_ended_restores(root: Path) -> list[Path]:
+    """Delete the restore directories (``.step-N.restore-PID``) of ended restores under ``root`` (see the module
+    docstring), never a live process's; returns them. What cannot be deleted (a read-only mount) is left."""
+    removed = []
+    for child in sorted(Path(root).iterdir()):
+        if _restore_abandoned(child):
+            shutil.rmtree(child, ignore_errors=True)
+            removed.append(child)
+    return removed
+
+
 def _remove_hidden_leftovers(root: Path) -> list[Path]:
     """Delete the ended restores' directories, the deletions a kill cut short and the empty quarantined
     temporaries under ``root``; returns them."""
-    removed = []
+    removed = remove_ended_restores(root)
     for child in sorted(Path(root).iterdir()):
-        if (_restore_abandoned(child)
-                or is_deleting_name(child.name) and child.is_dir()  # also a deletion a kill cut short
-                or _is_empty_quarantined_tmp(child)):
+        if is_deleting_name(child.name) and (child.is_dir() or child.is_symlink()):  # a deletion a kill cut short
+            _delete(child)
+            removed.append(child)
+        elif _is_empty_quarantined_tmp(child):
             shutil.rmtree(child, ignore_errors=True)
             removed.append(child)
     return removed

@@ -23,8 +23,8 @@ rank 0's at the save, the same on every rank). Older checkpoints also hold a per
 
 from __future__ import annotations
 
+import errno
 import logging
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,6 +63,8 @@ __all__ = ["LOADER_POLICIES", "RESERVED_PREFIX", "RNG_KEY", "Restorer", "TrainSt
 log = logging.getLogger(__name__)
 
 RNG_KEY = "_fastio_rng"
+_CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)
+"""A directory this process may not write (a read-only mount, another user's)."""
 LOADER_POLICIES = ("exact", "next-epoch")
 """``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
 
@@ -387,7 +389,19 @@ class Restorer:
     def _restore(self, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
                  loader_policy: str, cast: bool) -> TrainState:
         """Restore the verified step ``path`` (its marker ``commit``): from its own files, or, compressed, from
-        their plain copies decompressed into a private directory next to it."""
+        their plain copies decompressed into a private directory next to it. A failure of a step gone meanwhile
+        (another job's retention) says so."""
+        try:
+            return self._restore_step(path, commit, app, strict, loader_policy, cast)
+        except CheckpointError as err:
+            if (path / naming.COMMIT_FILE).exists():
+                raise
+            raise CheckpointError(f"{path}: deleted while it was being restored (by the retention of the job writing "
+                                  f"the directory? keep it at keep=2 or more beside a read-only restore): {err}"
+                                  ) from err.__cause__
+
+    def _restore_step(self, path: Path, commit: CommitRecord, app: dict[str, Any], strict: bool,
+                      loader_policy: str, cast: bool) -> TrainState:
         if not commit.compression:
             return self._restore_from(path, path, commit, app, strict, loader_policy, cast)
         # Verified stored files -> plain files in a private directory next to the step, the ranks sharing
@@ -408,15 +422,22 @@ class Restorer:
                 self.ranks.barrier("restore")  # every rank is done reading
             finally:
                 if self.leader:
-                    shutil.rmtree(work, ignore_errors=True)
+                    removal.end_restore_dir(work)
 
     def _start_restore_dir(self, step: int) -> str | None:
-        """One private directory per staging directory, made by the lowest rank seeing it."""
+        """One private directory per staging directory, made by the lowest rank seeing it; a read-only restore first
+        deletes the ones of ended restores (a killed evaluation's: no writer's restore may come to delete them). A
+        read-only restore of one rank that cannot write DIR (a read-only mount) decompresses into a private
+        temporary directory instead (:func:`~fastio.checkpoint.removal.start_private_staging`)."""
         if not self.leader:
             return None
         try:
+            if self.read_only:
+                removal.remove_ended_restores(self.commit.root)
             return str(removal.start_restore_dir(self.commit.root, step))
         except OSError as err:
+            if self.read_only and len(self.commit.ranks_here) == 1 and err.errno in _CANNOT_WRITE:
+                return str(removal.start_private_staging())
             raise CheckpointError(f"{naming.restore_dir(self.commit.root, step)}: cannot create: "
                                   f"{err.strerror or err}") from None
 

@@ -14,6 +14,7 @@ versions refuse version 3 instead of misreading it. A step of a rollback in prog
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,22 +122,40 @@ def _named(step: int, child: Path, doomed: frozenset[int]) -> StepEntry | None:
     return StepEntry(step, child, data)
 
 
+_RESCANS = 5
+"""How many times a listing that lost a step while it was read is taken again (:func:`scan`)."""
+
+
 def scan(root: Path) -> list[StepEntry]:
-    """Every step directory under ``root``, oldest step first (a missing ``root`` has none)."""
+    """Every step directory under ``root``, oldest step first (a missing ``root`` has none). A step deleted between
+    the listing and the read of its marker (a writer's retention beside a read-only restore or ``ckpt ls``) makes
+    the listing be taken again: with ``keep=1`` the step committed meanwhile is then seen, where the listing would
+    otherwise hold no step at all."""
     root = Path(root)
     if not root.is_dir():
         return []
-    entries = []
+    for _ in range(_RESCANS):
+        entries, lost = _scan_once(root)
+        if not lost:
+            break
+    return entries
+
+
+def _scan_once(root: Path) -> tuple[list[StepEntry], bool]:
+    """:func:`scan`'s listing, and whether a step listed was gone when its marker was read."""
+    entries, lost = [], False
     doomed = pending_rollback(root)
     for child in root.iterdir():
         parsed = parse_step_dir_name(child.name)
         if not parsed or not child.is_dir():
+            lost = lost or bool(parsed) and not os.path.lexists(child)  # renamed away since listed (not a dead link)
             continue
         step, temporary = parsed
         entry = _temporary(step, child) if temporary else _named(step, child, doomed)
         if entry is not None:
             entries.append(entry)
-    return sorted(entries, key=lambda e: (e.step, e.committed))
+        lost = lost or entry is None
+    return sorted(entries, key=lambda e: (e.step, e.committed)), lost
 
 
 def committed(root: Path) -> list[StepEntry]:

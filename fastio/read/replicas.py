@@ -20,9 +20,11 @@ from fastio.words import agree
 __all__ = ["STATE_KEY", "TorchftReplicas"]
 
 _READ = ("_group_rank", "_group_world_size", "_user_state_dicts", "_load_state_dict_fns", "register_state_dict_fn",
-         "current_step", "num_participants", "participating_rank", "is_participating", "_quorum_future")
+         "current_step", "num_participants", "participating_rank", "is_participating", "_quorum_future", "_healing",
+         "_pending_state_dict")
 """What fastio reads of a Manager: its rank in its group and the group's size, the state dict hooks it registers the
-Loader's state with, the step and the quorum (torchft-nightly 2026.10.26 has them all)."""
+Loader's state with, the step and the quorum, and the state a healing group received from its peer
+(torchft-nightly 2026.10.26 has them all)."""
 
 STATE_KEY = "fastio_loader"
 """The key of a Loader's state in the Manager's state dict (``fastio_loader_1``, ... for further Loaders open at once)."""
@@ -84,6 +86,7 @@ class TorchftReplicas:
             raise LoaderArgumentError("no torchft quorum yet: start the step (optimizer.zero_grad() of "
                                       "torchft.optim.OptimizerWrapper, or manager.start_quorum()) before taking its "
                                       "batch")
+        self.check_peer_loaders()
         participant = self.manager.participating_rank()
         step = self.step()
         self._check_started(step)
@@ -110,14 +113,38 @@ class TorchftReplicas:
                 "not supported")
         self._quorum = quorum, step
 
+    def check_peer_loaders(self) -> None:
+        """LoaderStateError when this group heals (after the quorum) from a peer whose state lacks a Loader registered
+        on this group's Manager (torchft would fail applying it with a ``KeyError`` naming nothing else), naming
+        the Loaders of both; nothing when not healing."""
+        m = self.manager
+        pending = m._pending_state_dict if m._healing else None
+        user = pending.get("user") if isinstance(pending, dict) else None
+        if not isinstance(user, Mapping):
+            return
+        mine, theirs = _loader_keys(m._load_state_dict_fns), _loader_keys(user)
+        lacking = [k for k in mine if k not in user]
+        if lacking:
+            raise LoaderStateError(
+                f"this group's {agree(len(lacking), 'Loader')} {', '.join(lacking)} (registered on its torchft.Manager)"
+                f" {'is' if len(lacking) == 1 else 'are'} not in the state of the peer it heals from, whose Loaders "
+                f"are {', '.join(theirs) or 'none'} (this group's: {', '.join(mine)}): every replica group makes the "
+                "same Loaders with its Manager, in the same order (close() takes one out)")
+
     def register(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> str:
         """Put a Loader's state into the Manager's state dict (sent to a healing group with the weights); returns
-        its key."""
+        its key. A peer's state lacking one of this group's Loaders is refused as the Manager applies it
+        (:meth:`check_peer_loaders`), before torchft looks it up."""
         taken, key, n = self.manager._user_state_dicts, STATE_KEY, 0
         while key in taken:
             n += 1
             key = f"{STATE_KEY}_{n}"
-        self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
+
+        def load(state: dict) -> None:
+            self.check_peer_loaders()
+            load_state_dict(state)
+
+        self.manager.register_state_dict_fn(key, load, state_dict)
         self._key = key
         return key
 
@@ -198,6 +225,11 @@ def _global_batch(state: dict[str, Any], plain: bool) -> tuple[int, str] | None:
     ranks = state["world_size"]
     return size * ranks, f"a global batch of {size * ranks} (saved without replicas=: batch_size={size} on each of " \
                          f"{ranks} {agree(ranks, 'rank')})"
+
+
+def _loader_keys(keys: Mapping[str, Any]) -> list[str]:
+    """The keys of fastio Loaders' states among a Manager's state dict keys (:data:`STATE_KEY`, ``STATE_KEY_N``)."""
+    return [k for k in keys if k == STATE_KEY or k.startswith(f"{STATE_KEY}_") and k[len(STATE_KEY) + 1:].isdigit()]
 
 
 def _torchft_version() -> str:

@@ -141,14 +141,29 @@ def optimizer_classes(app: Mapping[str, Any]) -> dict[str, str]:
 
 def class_mismatch(key: str, saved: Any, optim: Any) -> str | None:
     """One line when the checkpoint's optimizer of ``key`` was of another class (``saved``: the marker's record, a
-    dotted name) than the app's ``optim`` (compared by class name); None when they match, or either is not known
-    (a marker of an older fastio, an object that is not an optimizer)."""
+    dotted name) than the app's ``optim``; None when they match (:func:`_same_class`), or either is not known (a
+    marker of an older fastio, an object that is not an optimizer)."""
     if not isinstance(saved, str) or group_sizes(getattr(optim, "param_groups", None)) is None:
         return None
     own = _class_name(_inner_optimizer(optim))
-    if saved.rsplit(".", 1)[-1] == own.rsplit(".", 1)[-1]:
+    if _same_class(saved, own):
         return None
     return f"app key {key}: the checkpoint's optimizer is a {saved}, the app's a {own}"
+
+
+_TORCH_OPTIM = "torch.optim."
+
+
+def _same_class(saved: str, own: str) -> bool:
+    """Whether a recorded optimizer class (``saved``) is the app's (``own``, module and qualified name): the same
+    dotted name; within ``torch.optim`` the same class name (torch moves its optimizers between its modules); a
+    record of the class name only (no module) the same name. Another library's ``AdamW`` is not torch's."""
+    if saved == own:
+        return True
+    name = own.rsplit(".", 1)[-1]
+    if "." not in saved:
+        return saved == name
+    return saved.startswith(_TORCH_OPTIM) and own.startswith(_TORCH_OPTIM) and saved.rsplit(".", 1)[-1] == name
 
 
 def _settings_lacking(optim: Any, names: set[str]) -> list[str]:
