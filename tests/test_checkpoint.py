@@ -595,6 +595,16 @@ def test_cli_ls_and_verify(tmp_path, engine, capsys):
     assert "nope: checkpoint directory does not exist" in capsys.readouterr().err
 
 
+def test_cli_ls_json_is_strict_json_with_non_finite_metrics(tmp_path, capsys):
+    root = tmp_path / "ck"
+    with Checkpointer(root, every_steps=1) as ckpt:
+        ckpt.maybe_save(1, make_app(), metrics={"loss": float("nan"), "grad": float("inf"), "lr": 0.5})
+    assert fastio_main(["ckpt", "ls", "--json", str(root)]) == 0
+    out = capsys.readouterr().out
+    refuse = json.JSONDecoder(parse_constant=lambda name: pytest.fail(f"not strict JSON: {name}"))
+    assert refuse.decode(out)["checkpoints"][0]["metrics"] == {"loss": None, "grad": None, "lr": 0.5}
+
+
 @pytest.mark.gpu
 def test_cuda_state_is_staged_and_restored(tmp_path):
     torch.manual_seed(0)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import click
 
@@ -30,7 +31,7 @@ def ls_cmd(directory: str, as_json: bool, endpoint_url: str | None, region: str 
 
     directory, rows = list_steps(directory, storage_options(endpoint_url, region, profile))
     if as_json:
-        click.echo(json.dumps({"dir": directory, "checkpoints": rows}, indent=1))
+        click.echo(json.dumps({"dir": directory, "checkpoints": [_json_row(r) for r in rows]}, indent=1))
         return
     if not rows:
         click.echo(f"{directory}: no checkpoints")
@@ -42,6 +43,13 @@ def ls_cmd(directory: str, as_json: bool, endpoint_url: str | None, region: str 
                       " ".join(f"{k}={v:.6g}" for k, v in sorted(r["metrics"].items()))])
     for line in table_lines(table, right=frozenset({0, 3})):
         click.echo(line.rstrip())
+
+
+def _json_row(row: dict) -> dict:
+    """``row`` with its non-finite metrics (NaN, inf: a save accepts them) as null, which strict JSON parsers read
+    (Python's ``json`` would print ``NaN``/``Infinity``, which they refuse)."""
+    metrics = {k: v if not isinstance(v, float) or math.isfinite(v) else None for k, v in row["metrics"].items()}
+    return {**row, "metrics": metrics}
 
 
 @ckpt.command("verify")
