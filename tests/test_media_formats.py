@@ -844,25 +844,51 @@ def _ogg_crc(page: bytes) -> int:
     return crc
 
 
-def test_audio_dali_cannot_open_though_pyav_reads_it_is_named(tmp_path):
+def opus_dali_cannot_open(tmp_path: Path) -> bytes:
     """An Ogg Opus file whose header's pre-skip (60000 samples) is past its sound: PyAV reads it (312 samples), DALI's
-    decoder cannot open it ("SF_INFO struct incomplete"). The error said "DALI failed on a batch with keys 'k0',
-    'k1'", naming no file: the check asked of each sample took a file DALI cannot open for one it reads in full."""
-    import fastio
-
+    decoder cannot open it ("SF_INFO struct incomplete")."""
     data = bytearray(make_audio(tmp_path / "a.opus", "libopus", "ogg", rate=48000, seconds=1.2).read_bytes())
     head = data.find(b"OpusHead")
     data[head + 10:head + 12] = (60000).to_bytes(2, "little")  # the pre-skip, on the first page
     end = 27 + data[26] + sum(data[27:27 + data[26]])
     data[22:26] = bytes(4)
     data[22:26] = _ogg_crc(bytes(data[:end])).to_bytes(4, "little")
+    return bytes(data)
+
+
+def test_audio_dali_cannot_open_though_pyav_reads_it_is_named(tmp_path):
+    """An Ogg Opus file PyAV reads and DALI's decoder cannot open (:func:`opus_dali_cannot_open`). The error said
+    "DALI failed on a batch with keys 'k0', 'k1'", naming no file: the check asked of each sample took a file DALI
+    cannot open for one it reads in full."""
+    import fastio
+
     good = make_audio(tmp_path / "b.flac", "flac", "flac", rate=16000).read_bytes()
-    files = {"k0": good, "k1": bytes(data)}
+    files = {"k0": good, "k1": opus_dali_cannot_open(tmp_path)}
     dest = write_media(tmp_path / "ds", "ogg", files, {k: check_media(v, "ogg") for k, v in files.items()})
     with pytest.raises(fastio.DatasetError, match=r"key 'k1': field 'ogg' failed to decode \(DALI's audio decoder "
                                                   r"cannot read it \(fn\.decoders\.audio: .*\); re-encode it "):
         with loader(dest, fastio.AudioClips(seconds=0.5), batch_size=2, shuffle="none", seed=0) as ld:
             next(iter(ld))
+
+
+def test_verify_decode_reads_audio_with_dali_as_the_loader_does(tmp_path, capsys):
+    """``verify --decode`` decoded audio with PyAV only: an Ogg Opus file DALI's decoder cannot open, and an Ogg
+    Vorbis file of which it reads fewer samples than the probe counts, passed verify and then stopped the Loader.
+    Now verify decodes each audio file with DALI's decoder too (the Loader's arguments) and names the shard and key."""
+    from helpers import run_cli
+
+    good = make_audio(tmp_path / "b.flac", "flac", "flac", rate=16000).read_bytes()
+    short = make_audio(tmp_path / "v.ogg", "vorbis", "ogg", rate=44100, channels=2).read_bytes()
+    files = {"k0": good, "k1": opus_dali_cannot_open(tmp_path), "k2": VORBIS.read_bytes(), "k3": short}
+    dest = write_media(tmp_path / "ds", "ogg", files, {k: check_media(v, "ogg") for k, v in files.items()})
+    code, out, err = run_cli(["verify", str(dest), "--decode"], capsys)
+    lines = [line for line in (out + err).splitlines() if "shard-000000.tar" in line]
+    assert code == 1, out + err
+    assert len(lines) == 2, out + err
+    assert lines[0].startswith("shard-000000.tar: k1: field ogg: DALI's audio decoder cannot read it (fn.decoders"
+                               ".audio: "), lines
+    assert lines[1].startswith("shard-000000.tar: k3: field ogg: DALI's audio decoder reads "), lines
+    assert "Traceback" not in out + err
 
 
 # -- ranks and elastic resume ------------------------------------------------------------------------------------

@@ -245,7 +245,7 @@ class _Clips(Pipeline):
         if self.media == "video":  # the probe demuxes: a damaged frame shows only when decoded
             bad = undecodable_frame(batch.image[j].tobytes())
             return None if bad is None else f"cannot be decoded by PyAV ({bad})"
-        return _dali_audio_problem(batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
+        return dali_audio_problem(batch.image[j], stored)
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
@@ -749,12 +749,14 @@ def decoded_layouts(encoded: list[np.ndarray], probes: list[dict[str, Any]]) -> 
     return out[:, 0], out[:, 1], out[:, 2]
 
 
-def _dali_audio_problem(encoded: np.ndarray, samples: int) -> str | None:
-    """Why DALI's audio decoder fails on a file PyAV reads in full: it cannot open it (an Ogg Opus header whose
-    pre-skip is past the sound: "SF_INFO struct incomplete"), or it reads fewer samples than the probe counted
-    (FFmpeg's experimental Vorbis encoder writes such files), so a clip's window lies past its end. Asked only
-    after the graph failed (one small pipeline per sample), None when DALI reads it all (or ran out of memory
-    trying: not the file's fault)."""
+def dali_audio_problem(encoded: np.ndarray, probe: dict[str, Any]) -> str | None:
+    """Why DALI's audio decoder, with :class:`AudioClips`' arguments, fails on a file PyAV reads in full (``probe``
+    its probe): it cannot open it (an Ogg Opus header whose pre-skip is past the sound: "SF_INFO struct
+    incomplete"), or it reads fewer samples than it delivers by the probe (:func:`decoded_layouts`; FFmpeg's
+    experimental Vorbis encoder writes such files), so a clip's window lies past its end. Asked after the graph
+    failed, and by ``fastio verify --decode`` (one small pipeline per file); None when DALI reads it all (or ran out
+    of memory trying: not the file's fault)."""
+    samples = int(decoded_layouts([encoded], [probe])[1][0])
     from nvidia.dali import fn, pipeline_def, types
 
     @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
