@@ -114,7 +114,8 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
             raise DatasetError(f"{ds.root}: {whose} {f} could not be probed when indexed "
                                f"(the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove "
                                f"{agree(n, 'it', 'them')} from the shards and index again, or convert the files "
-                               "with fastio convert (which skips them)")
+                               "with fastio convert (which keeps or transcodes what a Loader decodes, and skips "
+                               "what it cannot)")
     return tuple(found)
 
 
