@@ -465,6 +465,51 @@ def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path)
     assert all(abs(tone_pitch(w, 8000) - 440.0) < 25 for w in b["audio"].numpy())
 
 
+def streamed_wav(path: Path, pitch: float = 440.0) -> Path:
+    """A 16 kHz WAV whose RIFF and data chunk sizes are 0, as a writer that cannot seek back writes them (Python's
+    ``wave`` to a pipe, a recorder killed before it closed the file): FFmpeg reads its samples to the end of the
+    file, DALI's audio decoder (libsndfile) reads none."""
+    data = bytearray(make_audio(path, "pcm_s16le", "wav", rate=16000, pitch=pitch).read_bytes())
+    at = data.find(b"data")
+    data[4:8], data[at + 4:at + 8] = bytes(4), bytes(4)
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_wav_whose_data_chunk_says_0_bytes_is_stored_as_flac_or_skipped(tmp_path):
+    """Such a WAV was stored as it is (PyAV probes its 16000 samples), and every Loader batch holding it then
+    failed (DALI's decoder reads 0 of them). By default it is stored as FLAC, as other audio DALI does not read;
+    with transcode='none' skipped, naming why; index leaves it unprobed with the reason."""
+    import fastio
+    from fastio.formats.media import MediaCheckError
+
+    src = tmp_path / "src" / "c0"
+    streamed_wav(src / "piped.wav")
+    make_audio(src / "good.wav", "pcm_s16le", "wav", rate=16000, pitch=1000.0)
+    with pytest.raises(MediaCheckError, match=r"its data chunk says 0 bytes .*DALI's audio decoder reads none of "
+                                              r"its 16000 samples: convert it with --transcode flac"):
+        check_media((src / "piped.wav").read_bytes(), "wav")
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 2 and not result.skipped and result.transcoded == {"flac": {"pcm_s16le": 1}}
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=2,
+                shuffle="none") as ld:
+        b = next(iter(ld))
+        keys = [ld.key(int(i)) for i in b["index"]]
+    pitches = {k: tone_pitch(w, 16000) for k, w in zip(keys, b["audio"].numpy())}
+    assert abs(pitches["c0/piped"] - 440.0) < 25 and abs(pitches["c0/good"] - 1000.0) < 25, pitches
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
+                                   transcode="none"))
+    assert [s["path"] for s in result.skipped] == ["c0/piped.wav"] and result.samples == 1
+    assert "its data chunk says 0 bytes" in result.skipped[0]["reason"]
+    from test_media import write_wds_tar
+
+    from fastio.convert.wds_index import IndexConfig, index_shards
+
+    write_wds_tar(tmp_path / "wds" / "a-000000.tar", {"k0.wav": (src / "piped.wav").read_bytes(), "k0.cls": b"0"})
+    result = index_shards(IndexConfig(source=tmp_path / "wds"))
+    assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): its data chunk says 0 bytes")
+
+
 def test_transcode_does_not_turn_a_picture_named_webm_into_a_video(bad_folder, tmp_path):
     result = convert(ConvertConfig(source=bad_folder, dest=tmp_path / "ds", workers=1, progress=False,
                                    transcode="vp9"))

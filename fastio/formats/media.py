@@ -32,7 +32,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
            "probe", "trim_video", "dali_reads_audio", "parse_transcode", "transcode_flac",
-           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded"]
+           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "wav_says_no_data"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -318,9 +318,25 @@ def audio_codec_dali_lacks(data: bytes) -> str | None:
     try:
         with av.open(io.BytesIO(data)) as container:
             codec = container.streams.audio[0].codec_context.name
-            return None if _dali_reads_audio(container.format.name.split(",")[0], codec) else codec
+            reads = _dali_reads_audio(container.format.name.split(",")[0], codec) and not wav_says_no_data(data)
+            return None if reads else codec
     except (av.FFmpegError, IndexError):
         return None
+
+
+def wav_says_no_data(data: bytes) -> bool:
+    """Whether ``data`` is a RIFF WAVE file whose ``data`` chunk says it holds 0 bytes while bytes follow it, as a
+    writer that cannot seek back to fill in the size leaves it (Python's ``wave`` writing to a pipe, a recording cut
+    off): FFmpeg reads the samples to the end of the file, DALI's audio decoder (libsndfile) reads none."""
+    if bytes(data[:4]) != b"RIFF" or bytes(data[8:12]) != b"WAVE":
+        return False
+    at = 12
+    while at + 8 <= len(data):
+        size = int.from_bytes(data[at + 4:at + 8], "little")
+        if bytes(data[at:at + 4]) == b"data":
+            return size == 0 and len(data) > at + 8
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return False
 
 
 def transcode_flac(data: bytes) -> bytes:
@@ -389,6 +405,10 @@ def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECO
                               "be decoded; re-encode it (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
+    if info["kind"] == "audio" and wav_says_no_data(data):
+        raise MediaCheckError(f"its data chunk says 0 bytes (a WAV whose writer could not go back to fill in its "
+                              f"size: a pipe, a recording cut off), so DALI's audio decoder reads none of its "
+                              f"{count(info['samples'], 'sample')}: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
 
 
