@@ -17,7 +17,7 @@ av = pytest.importorskip("av")
 
 from fastio.convert import synthetic  # noqa: E402
 from fastio.convert.run import ConvertConfig, convert  # noqa: E402
-from fastio.formats.media import PROBE_FIELD, check_media  # noqa: E402
+from fastio.formats.media import PROBE_FIELD, MediaCheckError, check_media  # noqa: E402
 
 # -- making media ---------------------------------------------------------------------------------------------
 
@@ -481,7 +481,6 @@ def test_a_wav_whose_data_chunk_says_0_bytes_is_stored_as_flac_or_skipped(tmp_pa
     failed (DALI's decoder reads 0 of them). By default it is stored as FLAC, as other audio DALI does not read;
     with transcode='none' skipped, naming why; index leaves it unprobed with the reason."""
     import fastio
-    from fastio.formats.media import MediaCheckError
 
     src = tmp_path / "src" / "c0"
     streamed_wav(src / "piped.wav")
@@ -508,6 +507,40 @@ def test_a_wav_whose_data_chunk_says_0_bytes_is_stored_as_flac_or_skipped(tmp_pa
     write_wds_tar(tmp_path / "wds" / "a-000000.tar", {"k0.wav": (src / "piped.wav").read_bytes(), "k0.cls": b"0"})
     result = index_shards(IndexConfig(source=tmp_path / "wds"))
     assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): its data chunk says 0 bytes")
+
+
+def test_a_chained_ogg_is_stored_as_flac_or_skipped(tmp_path):
+    """Ogg files one after another in one file (a chained Ogg: a recorded radio stream, ``cat a.opus b.opus``): FFmpeg
+    reads every stream's samples, DALI's audio decoder the first stream's only. It was stored as it was, and every
+    Loader batch holding it failed (or a clip near its end). By default it is stored as FLAC, all of its sound; with
+    transcode='none' skipped, naming why."""
+    import fastio
+
+    src = tmp_path / "src" / "c0"
+    first = make_audio(tmp_path / "a.opus", "libopus", "ogg", rate=48000, seconds=1.0, pitch=440.0).read_bytes()
+    second = make_audio(tmp_path / "b.opus", "libopus", "ogg", rate=48000, seconds=1.0, pitch=1000.0).read_bytes()
+    src.mkdir(parents=True)
+    (src / "radio.opus").write_bytes(first + second)
+    (src / "twice.ogg").write_bytes(VORBIS.read_bytes() * 2)
+    make_audio(src / "good.flac", "flac", "flac", rate=16000)
+    for name in ("radio.opus", "twice.ogg"):
+        with pytest.raises(MediaCheckError, match=r"it is a chained Ogg stream .*so DALI's audio decoder reads only "
+                                                  r"the first stream's of its \d+ samples: convert it with --transcode"):
+            check_media((src / name).read_bytes(), name.split(".")[1])
+    assert check_media(first, "opus")  # one stream: kept as it is
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 3 and not result.skipped
+    assert result.transcoded == {"flac": {"opus": 1, "vorbis": 1}}
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=1.75), batch_size=3,
+                shuffle="none") as ld:
+        b = next(iter(ld))
+        keys = [ld.key(int(i)) for i in b["index"]]
+    radio = b["audio"].numpy()[keys.index("c0/radio")]
+    start = int(b["start_sample"][keys.index("c0/radio")])
+    assert abs(tone_pitch(radio[16000 - start + 1000:], 16000) - 1000.0) < 25  # the second stream's sound
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
+                                   transcode="none"))
+    assert sorted(s["path"] for s in result.skipped) == ["c0/radio.opus", "c0/twice.ogg"] and result.samples == 1
 
 
 def test_transcode_does_not_turn_a_picture_named_webm_into_a_video(bad_folder, tmp_path):

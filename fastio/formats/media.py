@@ -24,6 +24,7 @@ import json
 import os
 from typing import Any
 
+from fastio.formats.ogg import chained
 from fastio.words import agree, count
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
@@ -318,10 +319,24 @@ def audio_codec_dali_lacks(data: bytes) -> str | None:
     try:
         with av.open(io.BytesIO(data)) as container:
             codec = container.streams.audio[0].codec_context.name
-            reads = _dali_reads_audio(container.format.name.split(",")[0], codec) and not wav_says_no_data(data)
+            reads = _dali_reads_audio(container.format.name.split(",")[0], codec) and _dali_reads_less(data) is None
             return None if reads else codec
     except (av.FFmpegError, IndexError):
         return None
+
+
+def _dali_reads_less(data: bytes) -> str | None:
+    """How much of audio ``data`` DALI's audio decoder reads, where it reads less than FFmpeg (the probe) of a
+    container and codec it reads (:data:`DALI_AUDIO_CONTAINERS`): ``"none"`` of a WAV whose data chunk says 0 bytes
+    (:func:`wav_says_no_data`), ``"only the first stream's"`` of a chained Ogg (:func:`fastio.formats.ogg.chained`);
+    the reason, completing "so DALI's audio decoder reads ... of its N samples"; None where it reads it all."""
+    if wav_says_no_data(data):
+        return ("its data chunk says 0 bytes (a WAV whose writer could not go back to fill in its size: a pipe, a "
+                "recording cut off), so DALI's audio decoder reads none")
+    if bytes(data[:4]) == b"OggS" and chained(data):
+        return ("it is a chained Ogg stream (streams one after another in one file, as a recorded radio stream or "
+                "cat a.opus b.opus makes), so DALI's audio decoder reads only the first stream's")
+    return None
 
 
 def wav_says_no_data(data: bytes) -> bool:
@@ -405,10 +420,9 @@ def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECO
                               "be decoded; re-encode it (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
-    if info["kind"] == "audio" and wav_says_no_data(data):
-        raise MediaCheckError(f"its data chunk says 0 bytes (a WAV whose writer could not go back to fill in its "
-                              f"size: a pipe, a recording cut off), so DALI's audio decoder reads none of its "
-                              f"{count(info['samples'], 'sample')}: {_AUDIO_WAYS_OUT}")
+    less = _dali_reads_less(data) if info["kind"] == "audio" else None
+    if less is not None:
+        raise MediaCheckError(f"{less} of its {count(info['samples'], 'sample')}: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
 
 
