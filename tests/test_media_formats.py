@@ -509,6 +509,43 @@ def test_a_wav_whose_data_chunk_says_0_bytes_is_stored_as_flac_or_skipped(tmp_pa
     assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): its data chunk says 0 bytes")
 
 
+def streamed_flac(path: Path, pitch: float = 440.0) -> Path:
+    """A 16 kHz FLAC whose STREAMINFO says 0 samples (unknown), as FFmpeg writing FLAC to a pipe leaves it: FFmpeg
+    reads its samples, DALI's audio decoder (libsndfile) fails on it ("Requested 9223372036854775807 samples but
+    got 0"). An ID3v2 tag before it, as taggers put one."""
+    data = bytearray(make_audio(path, "flac", "flac", rate=16000, pitch=pitch).read_bytes())
+    total = 8 + 13  # STREAMINFO's byte 13: the low 4 of the 36 bits of total samples, then 4 bytes
+    data[total] &= 0xF0
+    data[total + 1:total + 5] = bytes(4)
+    path.write_bytes(b"ID3\x04\x00\x00" + bytes([0, 0, 0, 20]) + bytes(20) + bytes(data))
+    return path
+
+
+def test_a_flac_whose_streaminfo_says_0_samples_is_stored_as_flac_with_its_count(tmp_path):
+    """Such a FLAC was stored as it was (PyAV probes its 16000 samples) and every Loader batch holding it failed. By
+    default it is re-encoded (stored as FLAC, now counting its samples), as other audio DALI does not read; with
+    transcode='none' skipped, naming why."""
+    import fastio
+
+    src = tmp_path / "src" / "c0"
+    streamed_flac(src / "piped.flac")
+    with pytest.raises(MediaCheckError, match=r"its STREAMINFO says 0 samples .*DALI's audio decoder reads none of "
+                                              r"its 16000 samples: convert it with --transcode flac"):
+        check_media((src / "piped.flac").read_bytes(), "flac")
+    make_audio(src / "good.flac", "flac", "flac", rate=16000, pitch=1000.0)
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 2 and not result.skipped and result.transcoded == {"flac": {"flac": 1}}
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=2,
+                shuffle="none") as ld:
+        b = next(iter(ld))
+        keys = [ld.key(int(i)) for i in b["index"]]
+    pitches = {k: tone_pitch(w, 16000) for k, w in zip(keys, b["audio"].numpy())}
+    assert abs(pitches["c0/piped"] - 440.0) < 25 and abs(pitches["c0/good"] - 1000.0) < 25, pitches
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
+                                   transcode="none"))
+    assert [s["path"] for s in result.skipped] == ["c0/piped.flac"] and result.samples == 1
+
+
 def test_a_chained_ogg_is_stored_as_flac_or_skipped(tmp_path):
     """Ogg files one after another in one file (a chained Ogg: a recorded radio stream, ``cat a.opus b.opus``): FFmpeg
     reads every stream's samples, DALI's audio decoder the first stream's only. It was stored as it was, and every
