@@ -188,6 +188,73 @@ def test_a_short_avi_with_a_dropped_frame_repeats_its_last_frame(tmp_path):
                     assert frames_shown(b["video"])[j].tolist() == list(range(start, start + 4))
 
 
+def piped_avi(path: Path, codec: str, frames: int = 30) -> Path:
+    """An AVI of :func:`synthetic.frame_level` frames written where its writer cannot seek back (FFmpeg to a pipe;
+    a capture cut off leaves the same): no index, and its header's frame count FFmpeg's placeholder (2**30). One
+    keyframe (VP8, VP9), so a clip is cut from its start."""
+    import io
+
+    class Pipe(io.RawIOBase):
+        def __init__(self):
+            self.data = bytearray()
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.data += bytes(b)
+            return len(b)
+
+    pipe = Pipe()
+    with av.open(pipe, "w", format="avi") as out:
+        stream = out.add_stream(codec, rate=12)
+        stream.width, stream.height = 32, 16
+        stream.pix_fmt = "yuvj420p" if codec == "mjpeg" else "yuv420p"
+        stream.codec_context.gop_size = frames
+        stream.options = {"qmin": "1", "qmax": "2"} if codec == "mjpeg" else \
+            {"crf": "4", "b:v": "0", "deadline": "realtime", "cpu-used": "8"}
+        for k in range(frames):
+            rgb = np.full((16, 32, 3), synthetic.frame_level(k), np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(bytes(pipe.data))
+    return path
+
+
+_CLIPS_OF_EVERY_START = """
+import sys
+import fastio
+from fastio.convert import synthetic
+
+clips = fastio.VideoClips(frames=4, stride=3, size=8, dtype="uint8", layout="FHWC", crop="center")
+with fastio.Loader(sys.argv[1], pipeline=clips, batch_size=1, device="cpu", seed=0, num_threads=1) as loader:
+    for epoch in range(4):
+        loader.set_epoch(epoch)
+        for b in loader:
+            start = int(b["start_frame"][0])
+            shown = synthetic.frame_of_level(b["video"].float().mean(dim=(2, 3, 4)).numpy())[0].tolist()
+            assert shown == [min(start + 3 * k, 29) for k in range(4)], (loader.key(int(b["index"][0])), start, shown)
+print("clips ok")
+"""
+
+
+def test_an_avi_written_to_a_pipe_gives_its_clips_not_a_segfault(tmp_path, warm):
+    """An AVI without an index whose header says 2**30 frames (written to a pipe, or a capture cut off): DALI's CPU
+    decoder, handed the file as it is (a clip from before its second keyframe), crashed the process (a segfault,
+    found in review). Every AVI is now handed to it remuxed into a stream of its packets, as a cut clip is. In a
+    process of its own (``warm``): the crash took the test process down."""
+    for codec, name in (("libvpx-vp9", "vp9"), ("mjpeg", "mjpeg"), ("libvpx", "vp8")):
+        piped_avi(tmp_path / "src" / "c0" / f"{name}.avi", codec)
+    convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    script = tmp_path / "clips.py"
+    script.write_text(_CLIPS_OF_EVERY_START)
+    rc, out, err = warm.run(script, tmp_path, str(tmp_path / "ds"), timeout=300)
+    assert rc == 0 and "clips ok" in out, (rc, out, err[-3000:])
+
+
 def test_probes_record_what_sampling_needs(zoo_ds):
     import fastio
 

@@ -32,7 +32,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video", "dali_reads_audio", "parse_transcode", "transcode_flac",
+           "probe", "trim_video", "is_avi", "dali_reads_audio", "parse_transcode", "transcode_flac",
            "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_says_no_samples",
            "wav_says_no_data"]
 
@@ -178,6 +178,11 @@ def _codec_name(context) -> str:
     return getattr(context.codec, "canonical_name", None) or context.name
 
 
+def is_avi(data) -> bool:
+    """Whether ``data`` (bytes, or a uint8 array) is an AVI file (RIFF ``AVI ``)."""
+    return bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"AVI "
+
+
 def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None,
                remux: bool = False) -> tuple[bytes, int]:
     """``(stream, k)``: the frames ``k .. last`` of video ``data`` (frames counted as :func:`probe` counts them),
@@ -188,7 +193,8 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
     reading the packets then), or when PyAV is not installed or cannot remux it (the decoder then meets the file as
     it is). ``remux``: the frames ``0 .. last`` remuxed even when ``k`` is 0, for a clip that runs past the video's
     end: DALI counts an AVI's frames by its time slots, so past the end of one with a dropped frame it returned black
-    frames and earlier ones instead of repeating the last; in a stream of its packets it repeats it."""
+    frames and earlier ones instead of repeating the last; in a stream of its packets it repeats it (and for every
+    clip of an AVI, :func:`is_avi`: DALI crashed on one without an index)."""
     if keyframes is not None and not remux and not any(0 < k <= first for k in keyframes):
         return data, 0
     try:

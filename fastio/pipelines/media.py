@@ -26,6 +26,7 @@ from fastio.formats.media import (
     CPU_VIDEO_CODECS,
     PROBE_FIELD,
     is_audio_field,
+    is_avi,
     is_media_field,
     is_video_field,
     parse_probe,
@@ -534,15 +535,20 @@ class VideoClips(_Clips):
         H.264's or HEVC's B-frames are stored in decode order, so the packets up to the clip's last frame are not
         its frames (and an open GOP's keyframe needs frames before it); those go whole to NVDEC (``device="cuda"``),
         which finds the clip's frames in the file as DALI indexes it. A clip that runs past its video's end is
-        remuxed even from frame 0, so the decoder pads it with the last frame (``trim_video(remux=True)``)."""
+        remuxed even from frame 0, so the decoder pads it with the last frame (``trim_video(remux=True)``), and so
+        is every clip of an AVI: DALI's CPU decoder crashed the process (a segfault) on an AVI without an index
+        whose header says 2**30 frames (written to a pipe, a capture cut off), and counts an AVI's frames by its
+        time slots."""
         out, decode = [list(encoded) for _ in range(self.clips_per_video)], starts.copy()
         for j, p in enumerate(probes):
             cut = p is not None and p.get("codec") in CPU_VIDEO_CODECS
+            avi = cut and is_avi(encoded[j])
             for c in range(self.clips_per_video) if cut else ():
                 past_end = int(starts[j, c]) + self.span > p["frames"]  # padded: a stream of its packets (trim_video)
                 last = min(int(starts[j, c]) + self.span - 1, p["frames"] - 1)
-                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"), remux=past_end)
-                if k or past_end:
+                remux = past_end or avi
+                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"), remux=remux)
+                if k or remux:
                     out[c][j], decode[j, c] = np.frombuffer(data, np.uint8), starts[j, c] - k
         return out, decode
 
