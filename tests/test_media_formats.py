@@ -613,6 +613,27 @@ def test_a_flac_whose_streaminfo_says_0_samples_is_stored_as_flac_with_its_count
     assert [s["path"] for s in result.skipped] == ["c0/piped.flac"] and result.samples == 1
 
 
+def test_flac_files_one_after_another_are_stored_as_one_flac(tmp_path):
+    """``cat a.flac b.flac``: FFmpeg decodes both files' frames (the probe counted 24000 samples), DALI's audio
+    decoder stops at the first's STREAMINFO count (16000), so a clip past it failed the Loader's batch. Stored as one
+    FLAC by default (all 24000 samples); skipped with transcode='none', for the reason check_media gives."""
+    import fastio
+
+    src = tmp_path / "src" / "c0"
+    first = make_audio(tmp_path / "a.flac", "flac", "flac", rate=16000, seconds=1.0, pitch=440.0).read_bytes()
+    second = make_audio(tmp_path / "b.flac", "flac", "flac", rate=16000, seconds=0.5, pitch=1000.0).read_bytes()
+    src.mkdir(parents=True)
+    (src / "both.flac").write_bytes(first + second)
+    with pytest.raises(MediaCheckError, match=r"it is FLAC files one after another .*so DALI's audio decoder reads "
+                                              r"only the first file's of its 24000 samples: convert it with"):
+        check_media((src / "both.flac").read_bytes(), "flac")
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 1 and result.transcoded == {"flac": {"flac": 1}}
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=1.5), batch_size=1) as ld:
+        audio = next(iter(ld))["audio"][0].numpy()
+    assert abs(tone_pitch(audio[17000:], 16000) - 1000.0) < 25 and abs(tone_pitch(audio[:15000], 16000) - 440) < 25
+
+
 def test_a_chained_ogg_is_stored_as_flac_or_skipped(tmp_path):
     """Ogg files one after another in one file (a chained Ogg: a recorded radio stream, ``cat a.opus b.opus``): FFmpeg
     reads every stream's samples, DALI's audio decoder the first stream's only. It was stored as it was, and every

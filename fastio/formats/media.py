@@ -33,7 +33,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
            "probe", "trim_video", "is_avi", "dali_reads_audio", "parse_transcode", "transcode_flac",
-           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_says_no_samples",
+           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated", "flac_says_no_samples",
            "wav_says_no_data"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
@@ -336,7 +336,8 @@ def _dali_reads_less(data: bytes) -> str | None:
     """How much of audio ``data`` DALI's audio decoder reads, where it reads less than FFmpeg (the probe) of a
     container and codec it reads (:data:`DALI_AUDIO_CONTAINERS`): ``"none"`` of a WAV whose data chunk says 0 bytes
     (:func:`wav_says_no_data`) or a FLAC whose STREAMINFO says 0 samples (:func:`flac_says_no_samples`), ``"only the
-    first stream's"`` of a chained Ogg (:func:`fastio.formats.ogg.chained`);
+    first file's"`` of FLAC files one after another (:func:`flac_concatenated`), ``"only the first stream's"`` of a
+    chained Ogg (:func:`fastio.formats.ogg.chained`);
     the reason, completing "so DALI's audio decoder reads ... of its N samples"; None where it reads it all."""
     if wav_says_no_data(data):
         return ("its data chunk says 0 bytes (a WAV whose writer could not go back to fill in its size: a pipe, a "
@@ -344,20 +345,41 @@ def _dali_reads_less(data: bytes) -> str | None:
     if flac_says_no_samples(data):
         return ("its STREAMINFO says 0 samples (a FLAC whose writer could not go back to fill in the count: a pipe), "
                 "so DALI's audio decoder reads none")
+    if flac_concatenated(data):
+        return ("it is FLAC files one after another (cat a.flac b.flac), whose first STREAMINFO counts the first "
+                "file's samples only, so DALI's audio decoder reads only the first file's")
     if bytes(data[:4]) == b"OggS" and chained(data):
         return ("it is a chained Ogg stream (streams one after another in one file, as a recorded radio stream or "
                 "cat a.opus b.opus makes), so DALI's audio decoder reads only the first stream's")
     return None
 
 
+def _flac_start(data: bytes) -> int | None:
+    """Where the ``fLaC`` marker of FLAC ``data`` is (after an ID3v2 tag, if any: taggers put one there); None when
+    ``data`` is not FLAC."""
+    at = 0
+    if bytes(data[:3]) == b"ID3" and len(data) >= 10:  # its size: 4 bytes of 7 bits; a footer adds 10
+        at = 10 + sum((data[6 + i] & 0x7F) << (7 * (3 - i)) for i in range(4)) + (10 if data[5] & 0x10 else 0)
+    return at if bytes(data[at:at + 4]) == b"fLaC" else None
+
+
+def flac_concatenated(data: bytes) -> bool:
+    """Whether FLAC ``data`` holds another FLAC file after the first's header (``cat a.flac b.flac``): a ``fLaC``
+    marker followed by a STREAMINFO block header. FFmpeg decodes both files' frames, DALI's audio decoder
+    (libFLAC) stops at the first STREAMINFO's count."""
+    at = _flac_start(data)
+    if at is None:
+        return False
+    raw = bytes(data)
+    return any(raw.find(b"fLaC" + bytes([flag]) + b"\x00\x00\x22", at + 4) >= 0 for flag in (0x00, 0x80))
+
+
 def flac_says_no_samples(data: bytes) -> bool:
     """Whether ``data`` is a FLAC file (maybe after an ID3v2 tag) whose STREAMINFO says its total samples are 0
     (unknown), as FFmpeg writing FLAC to a pipe leaves it: FFmpeg decodes its frames, DALI's audio decoder
     (libsndfile) fails on it ("Requested 9223372036854775807 samples but got 0")."""
-    at = 0
-    if bytes(data[:3]) == b"ID3" and len(data) >= 10:  # its size: 4 bytes of 7 bits; a footer adds 10
-        at = 10 + sum((data[6 + i] & 0x7F) << (7 * (3 - i)) for i in range(4)) + (10 if data[5] & 0x10 else 0)
-    if bytes(data[at:at + 4]) != b"fLaC" or data[at + 4] & 0x7F != 0 or len(data) < at + 26:  # STREAMINFO first
+    at = _flac_start(data)
+    if at is None or len(data) < at + 26 or data[at + 4] & 0x7F != 0:  # STREAMINFO comes first
         return False
     info = at + 8  # its 36 bits of total samples: the low 4 bits of byte 13, then 4 bytes
     return (data[info + 13] & 0x0F) == 0 and not any(data[info + 14:info + 18])
