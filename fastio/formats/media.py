@@ -25,6 +25,7 @@ import os
 from typing import Any
 
 from fastio.formats.ogg import chained
+from fastio.formats.vpx import keyframe_size
 from fastio.words import agree, count
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
@@ -138,18 +139,31 @@ def _image_format(demuxer: str) -> str | None:
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
-    keys, first = [], []  # each packet's keyframe flag; the first packets, for the rotation
+    keys, first, codec = [], [], _codec_name(stream.codec_context)  # each packet's keyframe flag; the first packets
+    sizes: dict[tuple[int, int], int] = {}  # each VP8/VP9 keyframe size its header says -> its first frame
     for p in container.demux(stream):
         if p.size and p.pts is not None:
+            size = keyframe_size(codec, bytes(p)) if p.is_keyframe else None
+            if size is not None:
+                sizes.setdefault(size, len(keys))
             keys.append(p.is_keyframe)
             first += [p] if len(first) < ROTATION_PACKETS else []
     frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
+    if len(sizes) > 1:  # DALI's CPU decoder returned the frames after the change wrong (mostly black)
+        (w0, h0), (w1, h1) = list(sizes)[:2]
+        raise MediaCheckError(size_change(w0, h0, w1, h1, list(sizes.values())[1]))
     turn = _rotation(stream, first)
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
             "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
             "keyframes": [k for k, key in enumerate(keys) if key], **({"rotation": turn} if turn else {})}
+
+
+def size_change(w0: int, h0: int, w1: int, h1: int, frame: int) -> str:
+    """Why a video whose frame size changes mid-stream is refused: its first size, the next, and where."""
+    return (f"its frame size changes mid-stream ({w0} x {h0}, then {w1} x {h1} at frame {frame}): re-encode it at one "
+            "size (e.g. ffmpeg -i IN -vf scale=640:360 -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
 
 
 ROTATION_PACKETS = 32

@@ -113,6 +113,7 @@ def _decode_media(data: bytes, ext: str, report: VerifyReport) -> None:
     if importlib.util.find_spec("av") is None:
         raise MediaCheckError(f"not decoded: PyAV is not installed ({install_hint('media')})")
     if is_video_field(ext):
+        probe(data, ext)  # demuxed: a VP8/VP9 frame size change anywhere, which DALI's decoder returns wrong
         decode_clip(data, 0, VERIFY_CLIP_FRAMES, 1)
         report.videos_decoded += 1
     else:
@@ -502,7 +503,8 @@ def _image_text_problems(members: list[tuple[str, int, int]], image_tokens: tupl
 def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:
     """Recompute every shard's sha256 (and xxh3-128, when recorded) and every index's sha256, parse every tar
     member, compare counts and the index with the manifest; with ``decode`` also decode every image, a clip of each
-    video (:data:`VERIFY_CLIP_FRAMES` frames from the first, PyAV) and every audio file (PyAV, and DALI's audio decoder
+    video (:data:`VERIFY_CLIP_FRAMES` frames from the first, PyAV; each video also probed whole, which names a VP8/VP9
+    frame size change) and every audio file (PyAV, and DALI's audio decoder
     with :class:`fastio.AudioClips`' arguments: a file it cannot open, or reads fewer samples of, is named).
     DatasetError if DEST is not a dataset at all; every other finding is a :class:`Problem` in the report.
 
