@@ -129,7 +129,7 @@ def _dali_audio(encoded: np.ndarray, found: dict) -> str | None:
     (``found``: its probe): a file DALI cannot open, or reads fewer samples of, passes PyAV and stops the Loader."""
     if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
         return f"not decoded by DALI's audio decoder: DALI is not installed ({install_hint('cuda13')})"
-    from fastio.pipelines.media import dali_audio_problem
+    from fastio.formats.dali_audio import dali_audio_problem
 
     return dali_audio_problem(encoded, found)
 
