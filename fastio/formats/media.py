@@ -25,7 +25,7 @@ import os
 from typing import Any
 
 from fastio.formats.ogg import chained
-from fastio.formats.vpx import keyframe_size
+from fastio.formats.vpx import VPX_CODECS, keyframe_size
 from fastio.words import agree, count
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
@@ -143,7 +143,7 @@ def _probe_video(container, stream) -> dict[str, Any]:
     sizes: dict[tuple[int, int], int] = {}  # each VP8/VP9 keyframe size its header says -> its first frame
     for p in container.demux(stream):
         if p.size and p.pts is not None:
-            size = keyframe_size(codec, bytes(p)) if p.is_keyframe else None
+            size = keyframe_size(codec, bytes(p)) if p.is_keyframe and codec in VPX_CODECS else None
             if size is not None:
                 sizes.setdefault(size, len(keys))
             keys.append(p.is_keyframe)

@@ -11,7 +11,10 @@ change on a frame that is not a keyframe (reference scaling) is not read.
 
 from __future__ import annotations
 
-__all__ = ["keyframe_size"]
+__all__ = ["VPX_CODECS", "keyframe_size"]
+
+VPX_CODECS = ("vp8", "vp9")
+"""The codecs whose keyframes :func:`keyframe_size` reads."""
 
 
 class _Bits:
