@@ -6,6 +6,7 @@ values; damage found at load time; elastic resume; index, verify and inspect of 
 
 from __future__ import annotations
 
+import io
 import json
 import shutil
 from pathlib import Path
@@ -313,6 +314,23 @@ def test_verify_decode_names_a_stored_video_whose_frame_size_changes(tmp_path, c
     assert code == 1, out + err
     assert "shard-000000.tar: k1: field webm: its frame size changes mid-stream (64 x 48, then 32 x 24 at frame " \
            "20): re-encode it at one size" in out, out + err
+
+
+def test_an_avi_cut_off_mid_frame_is_counted_without_its_partial_frame(tmp_path):
+    """An MJPEG AVI whose last frame is cut short (a copy or a capture cut off): FFmpeg demuxes the partial frame as a
+    packet (flagged corrupt), the probe counted it, and a clip reaching it got a half-decoded picture (frame 15 read
+    as 13 here), silently. The probe now leaves trailing corrupt packets out: the clip ends on the last whole frame."""
+    full = make_video(tmp_path / "full.avi", "mjpeg", "avi", frames=16).read_bytes()
+    with av.open(io.BytesIO(full)) as container:
+        last = [bytes(p) for p in container.demux(video=0) if p.size][-1]
+    cut = full[:full.rfind(last) + len(last) // 2]  # the last frame's first half
+    assert json.loads(check_media(cut, "avi"))["frames"] == 15
+    (tmp_path / "src" / "c0").mkdir(parents=True)
+    (tmp_path / "src" / "c0" / "cut.avi").write_bytes(cut)
+    convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    with loader(tmp_path / "ds", uint8_clips(frames=4, stride=5, crop="center"), batch_size=1) as ld:
+        b = next(iter(ld))
+    assert frames_shown(b["video"]).tolist() == [[0, 5, 10, 14]]
 
 
 def test_probes_record_what_sampling_needs(zoo_ds):

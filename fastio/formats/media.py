@@ -84,8 +84,9 @@ def is_media_field(name: str) -> bool:
 
 def probe(data: bytes, field: str) -> dict[str, Any]:
     """What clip sampling needs of one file, read by demuxing (video: no frame decoded) or decoding (audio):
-    video ``frames`` (packets of the first video stream), ``fps``, ``seconds``, ``codec``, ``width``,
-    ``height``; audio ``rate``, ``channels``, ``samples`` (at ``rate``), ``seconds``, ``codec``.
+    video ``frames`` (packets of the first video stream, but trailing ones flagged corrupt: a file cut off
+    mid-frame), ``fps``, ``seconds``, ``codec``, ``width``, ``height``; audio ``rate``, ``channels``, ``samples``
+    (at ``rate``), ``seconds``, ``codec``.
     MediaCheckError when PyAV cannot read it, it has no such stream, or a video field holds a still picture
     (a PNG named ``.webm``: FFmpeg would read it as a one-frame video)."""
     import av
@@ -141,13 +142,16 @@ def _image_format(demuxer: str) -> str | None:
 def _probe_video(container, stream) -> dict[str, Any]:
     keys, first, codec = [], [], _codec_name(stream.codec_context)  # each packet's keyframe flag; the first packets
     sizes: dict[tuple[int, int], int] = {}  # each VP8/VP9 keyframe size its header says -> its first frame
+    whole = 0  # packets up to the last one not flagged corrupt: a file cut off mid-frame ends with a partial one
     for p in container.demux(stream):
         if p.size and p.pts is not None:
             size = keyframe_size(codec, bytes(p)) if p.is_keyframe and codec in VPX_CODECS else None
             if size is not None:
                 sizes.setdefault(size, len(keys))
             keys.append(p.is_keyframe)
+            whole = whole if p.is_corrupt else len(keys)
             first += [p] if len(first) < ROTATION_PACKETS else []
+    del keys[whole:]  # its frames are not counted: no clip starts in them, and one past the end repeats the last
     frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
