@@ -35,7 +35,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
            "probe", "trim_video", "is_avi", "dali_reads_audio", "parse_transcode", "transcode_flac",
            "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated", "flac_says_no_samples",
-           "wav_says_no_data"]
+           "wav_says_no_data", "whole_frames"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -142,16 +142,16 @@ def _image_format(demuxer: str) -> str | None:
 def _probe_video(container, stream) -> dict[str, Any]:
     keys, first, codec = [], [], _codec_name(stream.codec_context)  # each packet's keyframe flag; the first packets
     sizes: dict[tuple[int, int], int] = {}  # each VP8/VP9 keyframe size its header says -> its first frame
-    whole = 0  # packets up to the last one not flagged corrupt: a file cut off mid-frame ends with a partial one
+    corrupt = []  # each packet's corrupt flag (a file cut off mid-frame ends with a partial one: whole_frames)
     for p in container.demux(stream):
         if p.size and p.pts is not None:
             size = keyframe_size(codec, bytes(p)) if p.is_keyframe and codec in VPX_CODECS else None
             if size is not None:
                 sizes.setdefault(size, len(keys))
             keys.append(p.is_keyframe)
-            whole = whole if p.is_corrupt else len(keys)
+            corrupt.append(p.is_corrupt)
             first += [p] if len(first) < ROTATION_PACKETS else []
-    del keys[whole:]  # its frames are not counted: no clip starts in them, and one past the end repeats the last
+    del keys[whole_frames(corrupt):]  # not counted: no clip starts in them, and one past the end repeats the last
     frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
@@ -162,6 +162,16 @@ def _probe_video(container, stream) -> dict[str, Any]:
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
             "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
             "keyframes": [k for k, key in enumerate(keys) if key], **({"rotation": turn} if turn else {})}
+
+
+def whole_frames(corrupt: list[bool]) -> int:
+    """How many of a video's frames (its packets' corrupt flags, in order: the packets :func:`probe` counts) are
+    whole: all but the trailing ones FFmpeg flags corrupt, the partial last frame of a file cut off mid-frame (a
+    clip reaching it got a half-decoded picture, or PyAV's decoder failed on it)."""
+    n = len(corrupt)
+    while n and corrupt[n - 1]:
+        n -= 1
+    return n
 
 
 def size_change(w0: int, h0: int, w1: int, h1: int, frame: int) -> str:

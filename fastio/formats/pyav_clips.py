@@ -16,7 +16,7 @@ import io
 
 import numpy as np
 
-from fastio.formats.media import MediaCheckError
+from fastio.formats.media import MediaCheckError, whole_frames
 
 __all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip", "undecodable_frame"]
 
@@ -47,6 +47,7 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
             stream.codec_context.thread_count = 1  # parallel across clips, not inside one
             size = (stream.height, stream.width)  # the probe's
             packets = [_kept(p) for p in container.demux(stream) if p.size and p.pts is not None]
+            packets = packets[:whole_frames([p.is_corrupt for p in packets])]  # the frames the probe counts
             if not packets:
                 raise MediaCheckError("cannot be decoded (no frames)")
             shown = sorted(p.pts for p in packets)  # frame f of the video is shown at shown[f]
