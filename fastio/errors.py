@@ -8,10 +8,14 @@ cannot be read as one stream), :class:`ConvertError`, :class:`LoaderStateError`,
 :class:`StorageOptionsError` (also a ``ValueError``: a storage setting that cannot be used); and
 :func:`install_hint`, what a message says to add an optional dependency (fastio installs from its checkout,
 docs/install.md); :func:`os_error_text`, what a message says of an ``OSError`` (the limit of open files named
-where that is the cause). Imports nothing of fastio."""
+where that is the cause); :func:`dali_reason` and :func:`dali_out_of_memory`, what a DALI error says in one line
+and whether it is an allocation that failed. Imports nothing of fastio."""
+
+import re
 
 __all__ = ["FastioError", "DatasetError", "MixtureError", "ConvertError", "LoaderStateError", "LoaderArgumentError",
-           "PipelineMemoryError", "CheckpointError", "StorageError", "StorageOptionsError", "install_hint", "os_error_text"]
+           "PipelineMemoryError", "CheckpointError", "StorageError", "StorageOptionsError", "install_hint",
+           "dali_out_of_memory", "dali_reason", "os_error_text"]
 
 
 def install_hint(extra: str) -> str:
@@ -98,3 +102,35 @@ class StorageError(FastioError):
 class StorageOptionsError(FastioError, ValueError):
     """A storage setting that cannot be used (an endpoint without ``http://``, a timeout of 0...), from
     ``storage_options=``, a CLI flag or the environment. Also a ``ValueError``, as for any bad argument."""
+
+
+_DALI_OPERATOR = re.compile(r"Error in \w+ operator `(?:nvidia\.dali\.)?([\w.]+)`")
+
+
+def dali_reason(err: BaseException) -> str:
+    """One line of what a DALI pipeline error says, for a message naming the batch: the operator and the
+    first line after DALI's ``encountered:`` (``fn.decoders.video: Failed to create video decoder ...``; without
+    an ``Assert on "..." failed:`` prefix), not its ``Critical error in pipeline:`` header; else the first line."""
+    text = str(err).strip()
+    if not text:
+        return type(err).__name__
+    lines = [line.strip() for line in text.splitlines()]
+    op = _DALI_OPERATOR.search(text)
+    after = lines[lines.index("encountered:") + 1:] if "encountered:" in lines else []
+    said = next((line for line in after if line and not line.startswith("C++ context")), None)
+    if said is None:
+        return next(line for line in lines if line)[:160]
+    said = re.sub(r'^Assert on ".*?" failed: ', "", re.sub(r"^Error in thread \d+: (\[[^\]]*\] )?", "", said))
+    return f"{op.group(1) + ': ' if op else ''}{said}"[:200]
+
+
+_DALI_OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|CUDA allocation failed|cudaErrorMemoryAllocation|"
+                                 r"CUDA_ERROR_OUT_OF_MEMORY|DALI_ERROR_OUT_OF_MEMORY|OutOfMemoryError|"
+                                 r"NVJPEG_STATUS_ALLOCATOR_FAILURE|Failed to allocate", re.IGNORECASE)
+"""How DALI (2.4: the strings in libdali*.so), CUDA, nvJPEG and OpenCV inside it say an allocation failed."""
+
+
+def dali_out_of_memory(err: BaseException) -> bool:
+    """Whether a DALI pipeline error is an allocation that failed (host ``std::bad_alloc``, or the GPU's): the
+    outputs do not fit, whatever the samples."""
+    return _DALI_OUT_OF_MEMORY.search(str(err)) is not None

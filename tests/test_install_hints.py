@@ -90,3 +90,16 @@ def test_no_hint_installs_fastio_from_the_index():
     said = [f"{p.relative_to(ROOT)}:{n}" for p in files for n, line in enumerate(p.read_text().splitlines(), 1)
             if from_index.search(line)]
     assert said == []
+
+
+def test_verify_decode_of_audio_without_dali_says_how_to_add_it(tmp_path, monkeypatch, capsys):
+    """verify --decode reads audio with DALI's decoder, as the Loader does: without DALI it names each audio file
+    as not decoded by it, with the extra that installs it (not a bare ImportError)."""
+    synthetic.make_audio(tmp_path / "src" / "c0" / "t.flac", seconds=0.5)
+    convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    code, out, err = run_cli(["verify", str(tmp_path / "ds"), "--decode"], capsys)
+    assert code == 1, out + err
+    said = ("shard-000000.tar: c0/t: field flac: not decoded by DALI's audio decoder: DALI is not installed (pip "
+            "install -e '.[cuda13]' in fastio's checkout, as docs/install.md says)")
+    assert said in out, out + err

@@ -742,8 +742,11 @@ def test_index_of_audio_shards_names_what_it_cannot_probe(tmp_path, audio_folder
     assert [s["path"].rsplit("/", 1)[1] for s in result.skipped] == ["a-000000.tar:k9.mp3"]
     assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): audio codec mp3")
     with pytest.raises(fastio.DatasetError, match=r"1 sample's mp3 could not be probed when indexed \(the first: "
-                                                  r"shard a-000000.tar key 'k9': audio codec mp3"):
+                                                  r"shard a-000000.tar key 'k9': audio codec mp3") as got:
         audio_loader(tmp_path / "bad")
+    # convert stores an MP3 as FLAC by default: the message said convert "skips them"
+    assert str(got.value).endswith("or convert the files with fastio convert (which keeps or transcodes what a "
+                                   "Loader decodes, and skips what it cannot)"), str(got.value)
 
 
 def test_index_in_parts_then_merge_gives_the_same_probe_table(tmp_path, video_folder, capsys):

@@ -8,6 +8,7 @@ clips queued for the old position."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import threading
 import time
 from pathlib import Path
@@ -540,3 +541,34 @@ def test_a_frame_size_change_mid_stream_is_named(tmp_path):
         with pytest.raises(MediaCheckError, match=rf"its frame size changes mid-stream \(64 x 48, then 96 x 64 at "
                                                   rf"frame {max(first, 10)}\)"):
             decode_clip(data, first, 4, 1)
+
+
+def test_an_mp4_cut_off_mid_frame_gives_clips_up_to_its_last_whole_frame(tmp_path):
+    """A faststart H.264 MP4 cut off (its index lists every frame, its data ends mid-frame): FFmpeg demuxes the
+    partial frame flagged corrupt, the probe leaves it out, but decode_clip fed it to the decoder, and every clip
+    near the end stopped the Loader ('cannot be decoded by PyAV (Invalid data found ...)'). It reads the frames
+    the probe counts now."""
+    import av
+
+    full = tmp_path / "full.mp4"
+    with av.open(str(full), "w", format="mp4", options={"movflags": "faststart"}) as out:
+        stream = out.add_stream("libx264", rate=12)
+        stream.width, stream.height, stream.pix_fmt = 32, 16, "yuv420p"
+        stream.options, stream.codec_context.gop_size = {"crf": "4", "preset": "ultrafast"}, 5
+        for k in range(30):
+            rgb = np.full((16, 32, 3), synthetic.frame_level(k), np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rgb, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    data = full.read_bytes()
+    cut = data[:int(len(data) * 0.6)]
+    frames = json.loads(check_media(cut, "mp4"))["frames"]
+    assert 0 < frames < 30
+    from fastio.formats.pyav_clips import undecodable_frame
+
+    assert undecodable_frame(cut) is None  # asked of each sample of a batch that failed: not this one's fault
+    for first in range(frames):
+        clip = decode_clip(cut, first, 4, 1)
+        assert synthetic.frame_of_level(clip.mean(axis=(1, 2, 3))).tolist() == \
+            [min(first + i, frames - 1) for i in range(4)], first

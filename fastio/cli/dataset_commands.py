@@ -422,7 +422,8 @@ def _index_tokens(ctx: click.Context, quiet: bool) -> None:
 @cli.command()
 @click.argument("dest")
 @click.option("--decode", is_flag=True,
-              help="Also decode every image, a clip of each video (its first 16 frames) and every audio file, and "
+              help="Also decode every image, a clip of each video (its first 16 frames) and every audio file (PyAV, "
+                   "and DALI's audio decoder as the Loader runs it), and "
                    "name each sample without an image field (the image pipelines refuse it).")
 @click.option("--quiet", "-q", is_flag=True, help="Print problems only.")
 @storage_flags()

@@ -24,6 +24,8 @@ import json
 import os
 from typing import Any
 
+from fastio.formats.ogg import chained
+from fastio.formats.vpx import VPX_CODECS, keyframe_size
 from fastio.words import agree, count
 
 __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_CONTAINERS", "MEDIA_FIELDS",
@@ -31,8 +33,9 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video", "dali_reads_audio", "parse_transcode", "transcode_flac",
-           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded"]
+           "probe", "trim_video", "is_avi", "dali_reads_audio", "parse_transcode", "transcode_flac",
+           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated", "flac_says_no_samples",
+           "wav_says_no_data", "whole_frames"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -81,8 +84,9 @@ def is_media_field(name: str) -> bool:
 
 def probe(data: bytes, field: str) -> dict[str, Any]:
     """What clip sampling needs of one file, read by demuxing (video: no frame decoded) or decoding (audio):
-    video ``frames`` (packets of the first video stream), ``fps``, ``seconds``, ``codec``, ``width``,
-    ``height``; audio ``rate``, ``channels``, ``samples`` (at ``rate``), ``seconds``, ``codec``.
+    video ``frames`` (packets of the first video stream, but trailing ones flagged corrupt: a file cut off
+    mid-frame), ``fps``, ``seconds``, ``codec``, ``width``, ``height``; audio ``rate``, ``channels``, ``samples``
+    (at ``rate``), ``seconds``, ``codec``.
     MediaCheckError when PyAV cannot read it, it has no such stream, or a video field holds a still picture
     (a PNG named ``.webm``: FFmpeg would read it as a one-frame video)."""
     import av
@@ -136,18 +140,44 @@ def _image_format(demuxer: str) -> str | None:
 
 
 def _probe_video(container, stream) -> dict[str, Any]:
-    keys, first = [], []  # each packet's keyframe flag; the first packets, for the rotation
+    keys, first, codec = [], [], _codec_name(stream.codec_context)  # each packet's keyframe flag; the first packets
+    sizes: dict[tuple[int, int], int] = {}  # each VP8/VP9 keyframe size its header says -> its first frame
+    corrupt = []  # each packet's corrupt flag (a file cut off mid-frame ends with a partial one: whole_frames)
     for p in container.demux(stream):
         if p.size and p.pts is not None:
+            size = keyframe_size(codec, bytes(p)) if p.is_keyframe and codec in VPX_CODECS else None
+            if size is not None:
+                sizes.setdefault(size, len(keys))
             keys.append(p.is_keyframe)
+            corrupt.append(p.is_corrupt)
             first += [p] if len(first) < ROTATION_PACKETS else []
+    del keys[whole_frames(corrupt):]  # not counted: no clip starts in them, and one past the end repeats the last
     frames, fps = len(keys), float(stream.average_rate or stream.guessed_rate or 0)
     if frames == 0 or fps <= 0:
         raise MediaCheckError("cannot be probed (no frames)")
+    if len(sizes) > 1:  # DALI's CPU decoder returned the frames after the change wrong (mostly black)
+        (w0, h0), (w1, h1) = list(sizes)[:2]
+        raise MediaCheckError(size_change(w0, h0, w1, h1, list(sizes.values())[1]))
     turn = _rotation(stream, first)
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
             "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
             "keyframes": [k for k, key in enumerate(keys) if key], **({"rotation": turn} if turn else {})}
+
+
+def whole_frames(corrupt: list[bool]) -> int:
+    """How many of a video's frames (its packets' corrupt flags, in order: the packets :func:`probe` counts) are
+    whole: all but the trailing ones FFmpeg flags corrupt, the partial last frame of a file cut off mid-frame (a
+    clip reaching it got a half-decoded picture, or PyAV's decoder failed on it)."""
+    n = len(corrupt)
+    while n and corrupt[n - 1]:
+        n -= 1
+    return n
+
+
+def size_change(w0: int, h0: int, w1: int, h1: int, frame: int) -> str:
+    """Why a video whose frame size changes mid-stream is refused: its first size, the next, and where."""
+    return (f"its frame size changes mid-stream ({w0} x {h0}, then {w1} x {h1} at frame {frame}): re-encode it at one "
+            "size (e.g. ffmpeg -i IN -vf scale=640:360 -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
 
 
 ROTATION_PACKETS = 32
@@ -176,6 +206,11 @@ def _codec_name(context) -> str:
     return getattr(context.codec, "canonical_name", None) or context.name
 
 
+def is_avi(data) -> bool:
+    """Whether ``data`` (bytes, or a uint8 array) is an AVI file (RIFF ``AVI ``)."""
+    return bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"AVI "
+
+
 def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None,
                remux: bool = False) -> tuple[bytes, int]:
     """``(stream, k)``: the frames ``k .. last`` of video ``data`` (frames counted as :func:`probe` counts them),
@@ -186,7 +221,8 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
     reading the packets then), or when PyAV is not installed or cannot remux it (the decoder then meets the file as
     it is). ``remux``: the frames ``0 .. last`` remuxed even when ``k`` is 0, for a clip that runs past the video's
     end: DALI counts an AVI's frames by its time slots, so past the end of one with a dropped frame it returned black
-    frames and earlier ones instead of repeating the last; in a stream of its packets it repeats it."""
+    frames and earlier ones instead of repeating the last; in a stream of its packets it repeats it (and for every
+    clip of an AVI, :func:`is_avi`: DALI crashed on one without an index)."""
     if keyframes is not None and not remux and not any(0 < k <= first for k in keyframes):
         return data, 0
     try:
@@ -318,9 +354,78 @@ def audio_codec_dali_lacks(data: bytes) -> str | None:
     try:
         with av.open(io.BytesIO(data)) as container:
             codec = container.streams.audio[0].codec_context.name
-            return None if _dali_reads_audio(container.format.name.split(",")[0], codec) else codec
+            reads = _dali_reads_audio(container.format.name.split(",")[0], codec) and _dali_reads_less(data) is None
+            return None if reads else codec
     except (av.FFmpegError, IndexError):
         return None
+
+
+def _dali_reads_less(data: bytes) -> str | None:
+    """How much of audio ``data`` DALI's audio decoder reads, where it reads less than FFmpeg (the probe) of a
+    container and codec it reads (:data:`DALI_AUDIO_CONTAINERS`): ``"none"`` of a WAV whose data chunk says 0 bytes
+    (:func:`wav_says_no_data`) or a FLAC whose STREAMINFO says 0 samples (:func:`flac_says_no_samples`), ``"only the
+    first file's"`` of FLAC files one after another (:func:`flac_concatenated`), ``"only the first stream's"`` of a
+    chained Ogg (:func:`fastio.formats.ogg.chained`);
+    the reason, completing "so DALI's audio decoder reads ... of its N samples"; None where it reads it all."""
+    if wav_says_no_data(data):
+        return ("its data chunk says 0 bytes (a WAV whose writer could not go back to fill in its size: a pipe, a "
+                "recording cut off), so DALI's audio decoder reads none")
+    if flac_says_no_samples(data):
+        return ("its STREAMINFO says 0 samples (a FLAC whose writer could not go back to fill in the count: a pipe), "
+                "so DALI's audio decoder reads none")
+    if flac_concatenated(data):
+        return ("it is FLAC files one after another (cat a.flac b.flac), whose first STREAMINFO counts the first "
+                "file's samples only, so DALI's audio decoder reads only the first file's")
+    if bytes(data[:4]) == b"OggS" and chained(data):
+        return ("it is a chained Ogg stream (streams one after another in one file, as a recorded radio stream or "
+                "cat a.opus b.opus makes), so DALI's audio decoder reads only the first stream's")
+    return None
+
+
+def _flac_start(data: bytes) -> int | None:
+    """Where the ``fLaC`` marker of FLAC ``data`` is (after an ID3v2 tag, if any: taggers put one there); None when
+    ``data`` is not FLAC."""
+    at = 0
+    if bytes(data[:3]) == b"ID3" and len(data) >= 10:  # its size: 4 bytes of 7 bits; a footer adds 10
+        at = 10 + sum((data[6 + i] & 0x7F) << (7 * (3 - i)) for i in range(4)) + (10 if data[5] & 0x10 else 0)
+    return at if bytes(data[at:at + 4]) == b"fLaC" else None
+
+
+def flac_concatenated(data: bytes) -> bool:
+    """Whether FLAC ``data`` holds another FLAC file after the first's header (``cat a.flac b.flac``): a ``fLaC``
+    marker followed by a STREAMINFO block header. FFmpeg decodes both files' frames, DALI's audio decoder
+    (libFLAC) stops at the first STREAMINFO's count."""
+    at = _flac_start(data)
+    if at is None:
+        return False
+    raw = bytes(data)
+    return any(raw.find(b"fLaC" + bytes([flag]) + b"\x00\x00\x22", at + 4) >= 0 for flag in (0x00, 0x80))
+
+
+def flac_says_no_samples(data: bytes) -> bool:
+    """Whether ``data`` is a FLAC file (maybe after an ID3v2 tag) whose STREAMINFO says its total samples are 0
+    (unknown), as FFmpeg writing FLAC to a pipe leaves it: FFmpeg decodes its frames, DALI's audio decoder
+    (libsndfile) fails on it ("Requested 9223372036854775807 samples but got 0")."""
+    at = _flac_start(data)
+    if at is None or len(data) < at + 26 or data[at + 4] & 0x7F != 0:  # STREAMINFO comes first
+        return False
+    info = at + 8  # its 36 bits of total samples: the low 4 bits of byte 13, then 4 bytes
+    return (data[info + 13] & 0x0F) == 0 and not any(data[info + 14:info + 18])
+
+
+def wav_says_no_data(data: bytes) -> bool:
+    """Whether ``data`` is a RIFF WAVE file whose ``data`` chunk says it holds 0 bytes while bytes follow it, as a
+    writer that cannot seek back to fill in the size leaves it (Python's ``wave`` writing to a pipe, a recording cut
+    off): FFmpeg reads the samples to the end of the file, DALI's audio decoder (libsndfile) reads none."""
+    if bytes(data[:4]) != b"RIFF" or bytes(data[8:12]) != b"WAVE":
+        return False
+    at = 12
+    while at + 8 <= len(data):
+        size = int.from_bytes(data[at + 4:at + 8], "little")
+        if bytes(data[at:at + 4]) == b"data":
+            return size == 0 and len(data) > at + 8
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return False
 
 
 def transcode_flac(data: bytes) -> bytes:
@@ -389,6 +494,9 @@ def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECO
                               "be decoded; re-encode it (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
+    less = _dali_reads_less(data) if info["kind"] == "audio" else None
+    if less is not None:
+        raise MediaCheckError(f"{less} of its {count(info['samples'], 'sample')}: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
 
 

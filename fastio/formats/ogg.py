@@ -12,7 +12,7 @@ Measured with DALI 2.4 (tests/test_audio_onsets.py).
 
 from __future__ import annotations
 
-__all__ = ["OPUS_RATES", "dali_opus_layout", "last_granule"]
+__all__ = ["OPUS_RATES", "chained", "dali_opus_layout", "last_granule"]
 
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)
 """The rates libopus decodes at."""
@@ -70,6 +70,21 @@ def dali_opus_layout(data: bytes) -> tuple[int, int] | None:
             lead = round(pre_skip / factor) - max(pre_skip - start, 0) // factor
             return rate, max(lead, 0)
     return None
+
+
+def chained(data: bytes) -> bool:
+    """Whether Ogg ``data`` is chained: a stream begins (a page flagged beginning-of-stream) after a page of an
+    earlier one, as in Ogg files written one after another (a recorded radio stream, ``cat a.opus b.opus``). FFmpeg
+    reads every stream of the chain, libsndfile (DALI's audio decoder) the first only. Reads the page headers only;
+    stops at bytes that are not a page."""
+    at, began = 0, False
+    while bytes(data[at:at + 4]) == b"OggS" and at + 27 <= len(data):
+        flags, count = data[at + 5], data[at + 26]
+        if flags & 2 and began:
+            return True
+        began = began or not flags & 2
+        at += 27 + count + sum(data[at + 27:at + 27 + count])
+    return False
 
 
 _MAX_PAGE = 27 + 255 + 255 * 255

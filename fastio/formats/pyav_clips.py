@@ -16,7 +16,7 @@ import io
 
 import numpy as np
 
-from fastio.formats.media import MediaCheckError
+from fastio.formats.media import MediaCheckError, whole_frames
 
 __all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip", "undecodable_frame"]
 
@@ -47,6 +47,7 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
             stream.codec_context.thread_count = 1  # parallel across clips, not inside one
             size = (stream.height, stream.width)  # the probe's
             packets = [_kept(p) for p in container.demux(stream) if p.size and p.pts is not None]
+            packets = packets[:whole_frames([p.is_corrupt for p in packets])]  # the frames the probe counts
             if not packets:
                 raise MediaCheckError("cannot be decoded (no frames)")
             shown = sorted(p.pts for p in packets)  # frame f of the video is shown at shown[f]
@@ -70,7 +71,8 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
 def undecodable_frame(data: bytes) -> str | None:
     """Why PyAV cannot decode every frame of video ``data`` (``frame 10: ...``, one line), or None: each packet
     of its first video stream decoded in turn (frames not converted, nothing kept: a long video costs its decode,
-    not its frames' memory). Asked only after a clip failed, of each sample of the batch in turn."""
+    not its frames' memory), but a partial last frame (:func:`~fastio.formats.media.whole_frames`). Asked only
+    after a clip failed, of each sample of the batch in turn."""
     import av
 
     decoded = 0
@@ -78,8 +80,17 @@ def undecodable_frame(data: bytes) -> str | None:
         with av.open(io.BytesIO(data)) as container:
             stream = container.streams.video[0]
             stream.codec_context.thread_count = 1
+            held = []  # corrupt packets, decoded once a whole one follows: a partial last frame is not a frame
             for packet in container.demux(stream):
-                decoded += len(stream.codec_context.decode(packet if packet.size else None))
+                if not packet.size:  # the demuxer's end: the decoder flushed, held partial frames left out
+                    decoded += len(stream.codec_context.decode(None))
+                    continue
+                if packet.is_corrupt:
+                    held.append(packet)
+                    continue
+                for p in [*held, packet]:
+                    decoded += len(stream.codec_context.decode(p))
+                held = []
     except (av.FFmpegError, IndexError) as err:
         return f"frame {decoded}: {getattr(err, 'strerror', None) or err}"
     return None

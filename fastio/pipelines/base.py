@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
-from fastio.errors import DatasetError, LoaderArgumentError, LoaderStateError
+from fastio.errors import DatasetError, LoaderArgumentError, LoaderStateError, dali_out_of_memory, dali_reason
 from fastio.read.protocol import DEFAULT_FIELDS, Delivery, FieldChoice, Placement, ReadFields, ReadSet, Source
 
 if TYPE_CHECKING:
@@ -604,38 +604,6 @@ def dali_inputs(feed: Callable[..., tuple]) -> Callable[..., tuple]:
         return tuple(tensor_list(value) for value in feed(*args, **kwargs))
 
     return fed
-
-
-_DALI_OPERATOR = re.compile(r"Error in \w+ operator `(?:nvidia\.dali\.)?([\w.]+)`")
-
-
-def dali_reason(err: BaseException) -> str:
-    """One line of what a DALI pipeline error says, for a message naming the batch: the operator and the
-    first line after DALI's ``encountered:`` (``fn.decoders.video: Failed to create video decoder ...``; without
-    an ``Assert on "..." failed:`` prefix), not its ``Critical error in pipeline:`` header; else the first line."""
-    text = str(err).strip()
-    if not text:
-        return type(err).__name__
-    lines = [line.strip() for line in text.splitlines()]
-    op = _DALI_OPERATOR.search(text)
-    after = lines[lines.index("encountered:") + 1:] if "encountered:" in lines else []
-    said = next((line for line in after if line and not line.startswith("C++ context")), None)
-    if said is None:
-        return next(line for line in lines if line)[:160]
-    said = re.sub(r'^Assert on ".*?" failed: ', "", re.sub(r"^Error in thread \d+: (\[[^\]]*\] )?", "", said))
-    return f"{op.group(1) + ': ' if op else ''}{said}"[:200]
-
-
-_DALI_OUT_OF_MEMORY = re.compile(r"bad_alloc|out of memory|CUDA allocation failed|cudaErrorMemoryAllocation|"
-                                 r"CUDA_ERROR_OUT_OF_MEMORY|DALI_ERROR_OUT_OF_MEMORY|OutOfMemoryError|"
-                                 r"NVJPEG_STATUS_ALLOCATOR_FAILURE|Failed to allocate", re.IGNORECASE)
-"""How DALI (2.4: the strings in libdali*.so), CUDA, nvJPEG and OpenCV inside it say an allocation failed."""
-
-
-def dali_out_of_memory(err: BaseException) -> bool:
-    """Whether a DALI pipeline error is an allocation that failed (host ``std::bad_alloc``, or the GPU's): the
-    outputs do not fit, whatever the samples."""
-    return _DALI_OUT_OF_MEMORY.search(str(err)) is not None
 
 
 def field_value(values: list[bytes]):

@@ -21,18 +21,19 @@ import numpy as np
 
 from fastio.dist import usable_cpus
 from fastio.errors import DatasetError, install_hint
+from fastio.formats.dali_audio import dali_audio_problem, decoded_layouts
 from fastio.formats.images import is_image_field
 from fastio.formats.media import (
     CPU_VIDEO_CODECS,
     PROBE_FIELD,
     is_audio_field,
+    is_avi,
     is_media_field,
     is_video_field,
     parse_probe,
     probe,
     trim_video,
 )
-from fastio.formats.ogg import dali_opus_layout, last_granule
 from fastio.formats.pyav_clips import CPU_FALLBACKS, undecodable_frame
 from fastio.pipelines.augment import clip_starts, random_resized_crop
 from fastio.pipelines.base import (
@@ -43,8 +44,6 @@ from fastio.pipelines.base import (
     ReadFields,
     Source,
     check_fields,
-    dali_out_of_memory,
-    dali_reason,
     declared,
     refuse_tokens,
 )
@@ -114,7 +113,8 @@ def _media_fields(ds: Dataset, test, what: str) -> tuple[str, ...]:
             raise DatasetError(f"{ds.root}: {whose} {f} could not be probed when indexed "
                                f"(the first: shard {ds.shard_of(i).name} key {ds.key(i)!r}: {why}); remove "
                                f"{agree(n, 'it', 'them')} from the shards and index again, or convert the files "
-                               "with fastio convert (which skips them)")
+                               "with fastio convert (which keeps or transcodes what a Loader decodes, and skips "
+                               "what it cannot)")
     return tuple(found)
 
 
@@ -245,7 +245,7 @@ class _Clips(Pipeline):
         if self.media == "video":  # the probe demuxes: a damaged frame shows only when decoded
             bad = undecodable_frame(batch.image[j].tobytes())
             return None if bad is None else f"cannot be decoded by PyAV ({bad})"
-        return _dali_audio_problem(batch.image[j], int(decoded_layouts([batch.image[j]], [stored])[1][0]))
+        return dali_audio_problem(batch.image[j], stored)
 
     conditionals: ClassVar[bool] = False
     """Whether the graph branches per sample (DALI's conditionals: :class:`VideoClips`' still images)."""
@@ -533,15 +533,20 @@ class VideoClips(_Clips):
         H.264's or HEVC's B-frames are stored in decode order, so the packets up to the clip's last frame are not
         its frames (and an open GOP's keyframe needs frames before it); those go whole to NVDEC (``device="cuda"``),
         which finds the clip's frames in the file as DALI indexes it. A clip that runs past its video's end is
-        remuxed even from frame 0, so the decoder pads it with the last frame (``trim_video(remux=True)``)."""
+        remuxed even from frame 0, so the decoder pads it with the last frame (``trim_video(remux=True)``), and so
+        is every clip of an AVI: DALI's CPU decoder crashed the process (a segfault) on an AVI without an index
+        whose header says 2**30 frames (written to a pipe, a capture cut off), and counts an AVI's frames by its
+        time slots."""
         out, decode = [list(encoded) for _ in range(self.clips_per_video)], starts.copy()
         for j, p in enumerate(probes):
             cut = p is not None and p.get("codec") in CPU_VIDEO_CODECS
+            avi = cut and is_avi(encoded[j])
             for c in range(self.clips_per_video) if cut else ():
                 past_end = int(starts[j, c]) + self.span > p["frames"]  # padded: a stream of its packets (trim_video)
                 last = min(int(starts[j, c]) + self.span - 1, p["frames"] - 1)
-                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"), remux=past_end)
-                if k or past_end:
+                remux = past_end or avi
+                data, k = trim_video(encoded[j], int(starts[j, c]), last, p.get("keyframes"), remux=remux)
+                if k or remux:
                     out[c][j], decode[j, c] = np.frombuffer(data, np.uint8), starts[j, c] - k
         return out, decode
 
@@ -725,54 +730,6 @@ class AudioClips(_Clips):
         if decoder_device == "mixed":  # decoded on the CPU, delivered on the GPU
             clip, start = clip.gpu(), start.gpu()
         return clip, start, inp["index"]
-
-
-VORBIS_MAX_BLOCK = 8192
-"""Vorbis' largest block: FFmpeg counts up to one more than an Ogg Vorbis file's last granule position."""
-
-
-def decoded_layouts(encoded: list[np.ndarray], probes: list[dict[str, Any]]) -> tuple[np.ndarray, ...]:
-    """``(rates, samples, leads)`` (int64 [B]) of audio files as DALI's audio decoder delivers them: the rate it
-    decodes at, the samples it delivers (at that rate), and how many of them come before the first sample FFmpeg
-    (the probe) delivers. The probe's, with no lead, but for Ogg (:mod:`fastio.formats.ogg`): Opus decoded at the
-    header's input rate, its pre-skip partly delivered; Vorbis ending at its last granule position (within
-    :data:`VORBIS_MAX_BLOCK` of the probe's count)."""
-    out = np.array([[p["rate"], p["samples"], 0] for p in probes], np.int64).reshape(-1, 3)
-    for j, p in enumerate(probes):
-        layout = dali_opus_layout(encoded[j]) if p.get("codec") == "opus" else None
-        if layout is not None:
-            rate, lead = layout
-            out[j] = rate, p["samples"] * rate // p["rate"], lead
-        end = last_granule(encoded[j]) if p.get("codec") == "vorbis" else None
-        if end is not None and 0 < out[j, 1] - end <= VORBIS_MAX_BLOCK:  # more: a damaged file, named on failure
-            out[j, 1] = end
-    return out[:, 0], out[:, 1], out[:, 2]
-
-
-def _dali_audio_problem(encoded: np.ndarray, samples: int) -> str | None:
-    """Why DALI's audio decoder fails on a file PyAV reads in full: it cannot open it (an Ogg Opus header whose
-    pre-skip is past the sound: "SF_INFO struct incomplete"), or it reads fewer samples than the probe counted
-    (FFmpeg's experimental Vorbis encoder writes such files), so a clip's window lies past its end. Asked only
-    after the graph failed (one small pipeline per sample), None when DALI reads it all (or ran out of memory
-    trying: not the file's fault)."""
-    from nvidia.dali import fn, pipeline_def, types
-
-    @pipeline_def(batch_size=1, num_threads=1, device_id=None, prefetch_queue_depth=1)
-    def decode():
-        data = fn.external_source(source=lambda: [encoded], batch=True, dtype=types.UINT8)
-        return fn.decoders.audio(data, downmix=True, dtype=types.FLOAT)[0]
-
-    try:
-        pipe = decode()
-        pipe.build()
-        read = int(pipe.run()[0][0].shape()[0])
-    except Exception as err:  # whatever DALI raises: it cannot read this file alone
-        if dali_out_of_memory(err):
-            return None
-        return f"DALI's audio decoder cannot read it ({dali_reason(err)}); re-encode it (e.g. as FLAC)"
-    if read >= samples:
-        return None
-    return f"DALI's audio decoder reads {read} of its {count(samples, 'sample')}; re-encode it (e.g. as FLAC)"
 
 
 def _hz_to_mel(hz: np.ndarray) -> np.ndarray:

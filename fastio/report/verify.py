@@ -86,7 +86,7 @@ class VerifyReport:
     videos_decoded: int = 0
     """Videos of which a clip (:data:`VERIFY_CLIP_FRAMES` frames from the first) was decoded with PyAV."""
     audio_decoded: int = 0
-    """Audio files decoded whole with PyAV."""
+    """Audio files decoded whole with PyAV and with DALI's audio decoder (as :class:`fastio.AudioClips` decodes them)."""
     longest_conversation: int = 0
     """A chat dataset's (the one checked last, of a ``split`` DEST) longest conversation, in tokens."""
     problems: list[Problem] = field(default_factory=list)
@@ -108,16 +108,30 @@ VERIFY_CLIP_FRAMES = 16
 
 
 def _decode_media(data: bytes, ext: str, report: VerifyReport) -> None:
-    """Decode video or audio field ``ext`` (a video: its first clip; audio: whole) and count it; MediaCheckError
-    when PyAV cannot, or is not installed."""
+    """Decode video or audio field ``ext`` (a video: its first clip; audio: whole, with PyAV and with DALI's audio
+    decoder, which the Loader uses) and count it; MediaCheckError when one cannot, or is not installed."""
     if importlib.util.find_spec("av") is None:
         raise MediaCheckError(f"not decoded: PyAV is not installed ({install_hint('media')})")
     if is_video_field(ext):
+        probe(data, ext)  # demuxed: a VP8/VP9 frame size change anywhere, which DALI's decoder returns wrong
         decode_clip(data, 0, VERIFY_CLIP_FRAMES, 1)
         report.videos_decoded += 1
     else:
-        probe(data, ext)  # decodes every audio frame
+        found = probe(data, ext)  # decodes every audio frame
+        problem = _dali_audio(np.frombuffer(data, np.uint8), found)
+        if problem is not None:
+            raise MediaCheckError(problem)
         report.audio_decoded += 1
+
+
+def _dali_audio(encoded: np.ndarray, found: dict) -> str | None:
+    """Why DALI's audio decoder, as :class:`fastio.AudioClips` runs it, does not read an audio file PyAV reads
+    (``found``: its probe): a file DALI cannot open, or reads fewer samples of, passes PyAV and stops the Loader."""
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
+        return f"not decoded by DALI's audio decoder: DALI is not installed ({install_hint('cuda13')})"
+    from fastio.formats.dali_audio import dali_audio_problem
+
+    return dali_audio_problem(encoded, found)
 
 
 @dataclass
@@ -489,7 +503,9 @@ def _image_text_problems(members: list[tuple[str, int, int]], image_tokens: tupl
 def verify(dest: str | Path, *, decode: bool = False, storage_options: dict | None = None) -> VerifyReport:
     """Recompute every shard's sha256 (and xxh3-128, when recorded) and every index's sha256, parse every tar
     member, compare counts and the index with the manifest; with ``decode`` also decode every image, a clip of each
-    video (:data:`VERIFY_CLIP_FRAMES` frames from the first) and every audio file (PyAV).
+    video (:data:`VERIFY_CLIP_FRAMES` frames from the first, PyAV; each video also probed whole, which names a VP8/VP9
+    frame size change) and every audio file (PyAV, and DALI's audio decoder
+    with :class:`fastio.AudioClips`' arguments: a file it cannot open, or reads fewer samples of, is named).
     DatasetError if DEST is not a dataset at all; every other finding is a :class:`Problem` in the report.
 
     An ``s3://`` DEST is checked object by object: each shard and index is downloaded into a temporary
