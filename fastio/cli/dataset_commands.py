@@ -166,9 +166,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     With --tokenizer, tokenize text documents (a file, a folder or an s3:// prefix) into a token dataset; with
     --chat-template too, conversations, trained on the assistant's tokens; with --image-field too, image-text
     conversations (images beside tokens and mask; the JSONL and its images local or on s3://)."""
-    from fastio.convert.run import ConvertConfig
     from fastio.convert.run import convert as run_convert
-    from fastio.progress import progress_wanted
 
     image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
                                      {"text_field": text_field, "eos": eos, "special_in_text": special_in_text,
@@ -177,22 +175,7 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
                                                           messages_field, train_on, max_tokens, overlong)):
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
         return
-    kwargs: dict[str, Any] = {} if workers is None else {"workers": workers}
-    if transcode is not None:
-        kwargs["transcode"] = transcode
-    try:
-        config = ConvertConfig(
-            source=source, dest=dest, format=fmt, shard_size=shard_size,
-            max_samples_per_shard=max_samples_per_shard, shuffle=shuffle, seed=seed, split=split, split_by=split_by,
-            max_side=max_side, quality=quality, max_pixels=max_pixels or None, on_error=on_error,
-            overwrite=overwrite, name=name, path_column=path_column, label_column=label_column,
-            key_column=key_column, labels=labels, root=root, part=part, progress=progress_wanted(quiet),
-            progress_every_s=None if quiet or progress_wanted(quiet) else progress_every,
-            staging_dir=staging_dir, video_decoder=video_decoder,
-            storage_options=storage_options(endpoint_url, region, profile), **kwargs,
-        )
-    except ValueError as err:
-        raise ConvertError(_in_flags(str(err), leading=True)) from None
+    config = _convert_config(click.get_current_context().params)
     warn_idle_flags(click.get_current_context(), _convert_idle(click.get_current_context()))  # once values are good
     try:
         result = run_convert(config) if image_text is None else _run_image_text(config, image_text)
@@ -200,6 +183,32 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
         raise ConvertError(_in_flags(str(err))) from None
     if not quiet:
         click.echo(result.summary(words=_in_flags))
+
+
+def _convert_config(p: dict[str, Any]) -> Any:
+    """The ``ConvertConfig`` of ``fastio convert``'s flags ``p`` (click's parameters by name); a value it refuses is a
+    ConvertError naming the flag."""
+    from fastio.convert.run import ConvertConfig
+    from fastio.progress import progress_wanted
+
+    kwargs: dict[str, Any] = {} if p["workers"] is None else {"workers": p["workers"]}
+    if p.get("transcode") is not None:
+        kwargs["transcode"] = p["transcode"]
+    quiet = p["quiet"]
+    try:
+        return ConvertConfig(
+            source=p["source"], dest=p["dest"], format=p["fmt"], shard_size=p["shard_size"],
+            max_samples_per_shard=p["max_samples_per_shard"], shuffle=p["shuffle"], seed=p["seed"],
+            split=p["split"], split_by=p["split_by"], max_side=p["max_side"], quality=p["quality"],
+            max_pixels=p["max_pixels"] or None, on_error=p["on_error"], overwrite=p["overwrite"], name=p["name"],
+            path_column=p["path_column"], label_column=p["label_column"], key_column=p["key_column"],
+            labels=p["labels"], root=p["root"], part=p["part"], progress=progress_wanted(quiet),
+            progress_every_s=None if quiet or progress_wanted(quiet) else p["progress_every"],
+            staging_dir=p["staging_dir"], video_decoder=p.get("video_decoder", "auto"),
+            storage_options=storage_options(p["endpoint_url"], p["region"], p["profile"]), **kwargs,
+        )
+    except ValueError as err:
+        raise ConvertError(_in_flags(str(err), leading=True)) from None
 
 
 _PARTNERS = {"quality": ("max_side",), "split_by": ("split",), "seed": ("shuffle", "split")}
