@@ -276,5 +276,26 @@ def test_an_optimizer_over_two_fsdp2_app_modules_is_refused_naming_them(tmp_path
     assert scan.committed(tmp_path / "ck") == []
 
 
+def _save_fsdp2_with_torchsnapshot(rank: int, port: int, out: str) -> None:
+    init(rank, 1, port)
+    try:
+        Checkpointer(Path(out, "ck"), engine="torchsnapshot", signals=()).save(1, build(0, rank), blocking=True)
+        Path(out, "error.txt").write_text("no error")
+    except CheckpointError as err:
+        Path(out, "error.txt").write_text(str(err))
+    finish()
+
+
+def test_fsdp2_state_saved_with_torchsnapshot_is_refused_at_staging_naming_the_key(tmp_path):
+    """``engine="torchsnapshot"`` forced on an FSDP2 app: the save failed in the background write with torch's
+    ``RuntimeError: .numpy() is not supported for tensor subclasses.``, naming no key and no way out; it is refused
+    while staging now, naming the first DTensor's key and the engine that writes it. Nothing is committed."""
+    launch(_save_fsdp2_with_torchsnapshot, 1, free_port(), str(tmp_path))
+    msg = (tmp_path / "error.txt").read_text()
+    assert msg.startswith("state key 'model/0.weight': torchsnapshot cannot checkpoint a DTensor"), msg
+    assert "engine='dcp'" in msg and "numpy" not in msg and "\n" not in msg
+    assert scan.committed(tmp_path / "ck") == []
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])
