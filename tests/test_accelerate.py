@@ -67,6 +67,55 @@ def test_two_processes_save_state_mid_epoch_then_load_state_in_new_processes(tmp
     _check(tmp_path, (1, 16))
 
 
+SLOW_MAIN_SAVE = """
+import os
+if os.environ.get("RANK") == "0":  # the main process writes its files 3 s late: the other one must wait for them
+    import time
+
+    import accelerate.accelerator as acc
+
+    def _late(*args, _save=acc.save_accelerator_state, **kwargs):
+        time.sleep(3)
+        return _save(*args, **kwargs)
+
+    acc.save_accelerator_state = _late
+"""
+
+
+def test_the_docs_accelerate_snippet_runs_under_torchrun_on_two_processes(tmp_path):
+    """docs/trainers.md's Accelerate block, as written, under ``torchrun --nproc-per-node 2``: ``save_state`` returns
+    on the other process before the main one has written the files, and the block's ``load_state`` right after it
+    read them half-written (``EOFError``, or a ``FileNotFoundError`` of ``pytorch_model.bin``) in one run of two
+    where no collective followed the save (saved at the epoch's last step); the block waits for everyone in between
+    now. The main process's write is made 3 s late (a ``sitecustomize``),
+    so the race is lost every time without that wait."""
+    import re
+    import subprocess
+
+    from s3server import free_port
+
+    from fastio.convert.synthetic import make_imagefolder
+
+    page = (REPO / "docs" / "trainers.md").read_text()
+    block = re.search(r"^## Accelerate$.*?^```python\n(.*?)^```$", page, re.MULTILINE | re.DOTALL).group(1)
+    (tmp_path / "snippet.py").write_text(block)
+    # 81 to train: 3 steps of 2 x 16, so the save is at the epoch's last step and no gradient sync follows it
+    make_imagefolder(tmp_path / "images", classes=3, per_class=30, seed=0)
+    subprocess.run([sys.executable, "-m", "fastio.cli", "convert", "images", "ds", "--split", "train=0.9,val=0.1",
+                    "--quiet"], cwd=tmp_path, check=True)
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_MAIN_SAVE)
+    path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+                          str(free_port()), "snippet.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    # each process prints the position saved after the epoch's last step (the lines may interleave)
+    assert run.stdout.replace("\n", "") == "00", run.stdout
+
+
 @pytest.fixture(scope="module")
 def counted_runs(tmp_path_factory) -> Path:
     """The runs of both world-size changes, in one set of 3 processes (``tests/accelerate_counts.py``; in the

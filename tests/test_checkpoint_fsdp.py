@@ -253,5 +253,49 @@ def _restore_plain_into_fsdp(rank: int, port: int, out: str) -> None:
     finish()
 
 
+def _save_optimizer_over_two_modules(rank: int, port: int, out: str) -> None:
+    init(rank, 1, port)
+    body, head = shard(make_model(0)), shard(nn.Sequential(nn.Linear(5, 2)))
+    optim = torch.optim.AdamW([*body.parameters(), *head.parameters()], lr=1e-2)
+    try:
+        Checkpointer(Path(out, "ck"), signals=()).save(1, {"body": body, "head": head, "optim": optim}, blocking=True)
+        Path(out, "error.txt").write_text("no error")
+    except CheckpointError as err:
+        Path(out, "error.txt").write_text(str(err))
+    finish()
+
+
+def test_an_optimizer_over_two_fsdp2_app_modules_is_refused_naming_them(tmp_path):
+    """One optimizer over the DTensor parameters of two app modules (``body``, ``head``): DCP keys its state by
+    parameter name within one module, so the save is refused; the message said its module was not in the app
+    (both were), now it names the modules and the two ways out. Nothing is committed."""
+    launch(_save_optimizer_over_two_modules, 1, free_port(), str(tmp_path))
+    msg = (tmp_path / "error.txt").read_text()
+    assert msg.startswith("app key optim: its parameters span the app modules body, head"), msg
+    assert "nn.ModuleDict" in msg and "needs its module in the app" not in msg
+    assert scan.committed(tmp_path / "ck") == []
+
+
+def _save_fsdp2_with_torchsnapshot(rank: int, port: int, out: str) -> None:
+    init(rank, 1, port)
+    try:
+        Checkpointer(Path(out, "ck"), engine="torchsnapshot", signals=()).save(1, build(0, rank), blocking=True)
+        Path(out, "error.txt").write_text("no error")
+    except CheckpointError as err:
+        Path(out, "error.txt").write_text(str(err))
+    finish()
+
+
+def test_fsdp2_state_saved_with_torchsnapshot_is_refused_at_staging_naming_the_key(tmp_path):
+    """``engine="torchsnapshot"`` forced on an FSDP2 app: the save failed in the background write with torch's
+    ``RuntimeError: .numpy() is not supported for tensor subclasses.``, naming no key and no way out; it is refused
+    while staging now, naming the first DTensor's key and the engine that writes it. Nothing is committed."""
+    launch(_save_fsdp2_with_torchsnapshot, 1, free_port(), str(tmp_path))
+    msg = (tmp_path / "error.txt").read_text()
+    assert msg.startswith("state key 'model/0.weight': torchsnapshot cannot checkpoint a DTensor"), msg
+    assert "engine='dcp'" in msg and "numpy" not in msg and "\n" not in msg
+    assert scan.committed(tmp_path / "ck") == []
+
+
 if __name__ == "__main__":  # pragma: no cover
     pytest.main([__file__, "-q"])

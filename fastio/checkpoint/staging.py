@@ -145,6 +145,9 @@ class Stager:
         self._paths.add(path)
         dtensor = _dtensor_type()
         if dtensor is not None and isinstance(obj, dtensor):
+            why = self._refusal(obj) if self._refusal is not None else None
+            if why:
+                raise CheckpointError(f"state key {path!r}: {why}")
             seen.add(path)
             buf = self._dtensor_buffer(path, obj)
             pairs.append((buf.to_local(), obj.to_local().detach()))

@@ -804,6 +804,18 @@ def _dcp_save(path: Path, shared: dict[str, Any], pg: Any, world: int,
     return writer.fs.records
 
 
+def _no_owner(key: str, ids: set[int], app: dict[str, Any]) -> str:
+    """Why the optimizer of app key ``key`` (over the parameters ``ids``, DTensors among them) cannot be saved: no
+    app module holds all its parameters, either none holds any or they span several app keys."""
+    spans = [k for k, m in app.items() if isinstance(m, nn.Module) and ids & {id(p) for p in m.parameters()}]
+    if len(spans) < 2:
+        return (f"app key {key}: an optimizer over DTensor parameters needs its module in the app (DCP names "
+                "optimizer state by parameter name)")
+    return (f"app key {key}: its parameters span the app modules {', '.join(spans)}, and DCP names optimizer state "
+            "by parameter name within one module: put them under one app key (an nn.ModuleDict) or give each "
+            "module its own optimizer")
+
+
 class DcpEngine:
     """Writes and reads checkpoints with ``torch.distributed.checkpoint`` (see
     :class:`~fastio.checkpoint.engines.base.Engine`)."""
@@ -827,8 +839,7 @@ class DcpEngine:
                 if owner is not None:
                     out[key], _ = OptimizerState(owner, obj), shared.add(key)
                 elif _has_dtensor(p for g in obj.param_groups for p in g["params"]):
-                    raise CheckpointError(f"app key {key}: an optimizer over DTensor parameters needs its module in "
-                                          "the app (DCP names optimizer state by parameter name)")
+                    raise CheckpointError(_no_owner(key, ids, app))
                 else:
                     out[key] = obj
             else:

@@ -827,6 +827,16 @@ class TorchSnapshotCheckpoint(SavedCheckpoint):
             ts_log.removeFilter(quiet)
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    import torch
+
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 class TorchSnapshotEngine:
     """Writes and reads checkpoints with torchsnapshot 0.1.0 (see :class:`~fastio.checkpoint.engines.base.Engine`)."""
 
@@ -839,9 +849,13 @@ class TorchSnapshotEngine:
 
     def refusal(self, tensor: Any) -> str | None:
         """torchsnapshot's serialisation has no format for a dtype outside its list (``torch.uint16``, the float8s)
-        nor for a sparse layout: without this the save failed in the background write, without the key."""
+        nor for a sparse layout, nor for a DTensor (FSDP2, tensor parallel): without this the save failed in the
+        background write, without the key."""
         import torch
 
+        if _is_dtensor(tensor):
+            return ("torchsnapshot cannot checkpoint a DTensor (FSDP2, tensor parallel): save with engine='dcp' or "
+                    "engine='auto', which chooses DCP for DTensor state")
         if tensor.layout != torch.strided:
             what = f"a {str(tensor.layout).removeprefix('torch.')} tensor"
         elif tensor.dtype not in _serialization.ALL_SUPPORTED_DTYPES:
