@@ -193,3 +193,14 @@ def test_a_cache_the_check_accepts_holds_the_shards_of_the_batches_read_at_once(
                     loader.load_state_dict(state)
                 got = sorted(i for b in loader for i, pad in zip(b["index"].tolist(), b["padded"].tolist()) if not pad)
             assert got == list(range(start, 48))
+
+
+def test_a_token_readers_threads_each_hold_a_shard_of_any_source():
+    """A token reader's threads (all of reader_threads, shared by a mixture's sources) each hold one shard at a time,
+    whatever the batch: a source of a token mixture read with batch_size=1 and 4 threads can have 4 of its shards in
+    use at once, where its stored-sample share (1 thread, 1 shard a batch) counted one."""
+    shards = Shards([100] * 10, [5] * 10)
+    share = Reading("block", 1, 1, batches=1, runs=2)
+    assert shards.need(share) == 100
+    assert shards.need(Reading("block", 1, 1, batches=1, runs=2, holders=4)) == 400
+    assert shards.need(Reading("none", 1, 1, batches=1, holders=4), 1) == 500

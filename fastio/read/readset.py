@@ -353,11 +353,11 @@ def _threads_per_source(options: Options, sources: int) -> int:
 def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: bool) -> dict[str, Reading]:
     """How each source is read, for its cache's working set: a batch of ``batch_size`` samples (at most: a
     source's part of a mixture's batch), as many at once as its reader threads read (at most the feeder's
-    ``read_ahead`` batches and the one it waits for)."""
-    order, threads = options.order, _threads_per_source(options, len(names))
-    at_once = min(threads, options.performance.read_ahead + 2)
-    return {name: Reading(order.shuffle, order.block_shards, batch_size, at_once, runs=2 if mixture else 1,
-                          threads_hint=not mixture) for name in names}
+    ``read_ahead`` batches and the one it waits for); a token reader's threads hold one shard each, of any source."""
+    order, threads, batches = options.order, _threads_per_source(options, len(names)), options.performance.read_ahead + 2
+    holders = min(options.performance.reader_threads, batches)  # a token reader's threads: one shard each
+    return {name: Reading(order.shuffle, order.block_shards, batch_size, min(threads, batches), runs=2 if mixture else 1,
+                          threads_hint=not mixture, holders=holders) for name in names}
 
 
 def _open_source(ds: Dataset, pipeline: Reads, fields: list[str], threads: int, options: Options, reading: Reading,

@@ -58,6 +58,10 @@ class Reading:
     epoch's end and its start)."""
     threads_hint: bool = True
     """Whether a refusal may name ``reader_threads`` (the Loader's batches at once are its reader threads)."""
+    holders: int = 0
+    """Reader threads that may each hold one of its shards at once, whatever the batch: a token reader's threads
+    (each reads one shard at a time, of any source of a mixture: all of ``reader_threads``, where a source's
+    stored-sample reader has its share of them)."""
 
 
 class Shards:
@@ -110,10 +114,11 @@ class Shards:
         """Bytes the cache must hold at once: the shards of ``reading.batches`` batches and ``read_ahead`` more."""
         if reading.shuffle == "global":
             return self.total
-        held = reading.batches * self.per_batch(reading, block_shards)
+        held = max(reading.batches * self.per_batch(reading, block_shards), reading.holders)
         bound = self.largest(held + read_ahead)
         if reading.shuffle == "none" and reading.runs == 1:
-            bound = min(bound, reading.batches * self.widest_run(reading.batch_size) + self.largest(read_ahead))
+            batches = max(reading.batches * self.widest_run(reading.batch_size), self.largest(reading.holders))
+            bound = min(bound, batches + self.largest(read_ahead))
         return bound
 
 
@@ -210,8 +215,10 @@ def _hint(shards: Shards, reading: Reading, cache_size: int, need: int) -> str:
         if fits:
             options.append(f"use {fewer}block_shards <= {fits}")
     if reading.shuffle != "global" and reading.batches > 1 and reading.threads_hint:
-        threads = _largest_fitting(lambda k: shards.need(dataclasses.replace(reading, batches=k)) <= cache_size,
-                                   reading.batches - 1)
+        def fewer(k: int) -> Reading:  # k reader threads
+            return dataclasses.replace(reading, batches=k, holders=min(reading.holders, k))
+
+        threads = _largest_fitting(lambda k: shards.need(fewer(k)) <= cache_size, reading.batches - 1)
         if threads:
             options.append(f"reader_threads={threads}")
     options.append(f"raise cache_size to at least {_at_least(need)}")
