@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_image_dataset
 
@@ -204,3 +205,31 @@ def test_a_token_readers_threads_each_hold_a_shard_of_any_source():
     assert shards.need(share) == 100
     assert shards.need(Reading("block", 1, 1, batches=1, runs=2, holders=4)) == 400
     assert shards.need(Reading("none", 1, 1, batches=1, holders=4), 1) == 500
+
+
+def test_the_bound_holds_against_the_epoch_orders_every_batch():
+    """Ragged shards (empty ones too), every start (a resume's, a rank's) and the padded wrap of several epochs'
+    real orders: no batch touches more shards or bytes than the bound; for shuffle='none' the widest run is exact
+    (it counted a shard twice where a batch wrapped around the whole epoch back into its first shard)."""
+    from fastio.order.sampler import epoch_order
+
+    rng = random.Random(1)
+    for _ in range(150):
+        samples = [rng.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 9))]
+        if not sum(samples):
+            continue
+        sizes = [rng.randint(1, 100) for _ in samples]
+        n, shard_of = sum(samples), np.repeat(np.arange(len(samples)), samples)
+        b, bs, shuffle = rng.randint(1, n), rng.randint(1, 4), rng.choice(["none", "block"])
+        worst_bytes = worst_count = 0
+        for epoch in range(4 if shuffle == "block" else 1):
+            order = np.asarray(epoch_order(samples, 0, epoch, "fp", shuffle, bs))
+            for start in range(n):
+                touched = np.unique(shard_of[order[(start + np.arange(b)) % n]]).tolist()
+                worst_bytes = max(worst_bytes, sum(sizes[i] for i in touched))
+                worst_count = max(worst_count, len(touched))
+        shards, reading = Shards(sizes, samples), Reading(shuffle, bs, b)
+        case = (shuffle, samples, sizes, b, bs)
+        assert shards.per_batch(reading) >= worst_count and shards.need(reading) >= worst_bytes, case
+        if shuffle == "none":
+            assert shards.widest_run(b) == worst_bytes, case

@@ -106,6 +106,7 @@ class Shards:
             ends = np.cumsum(np.concatenate([self.samples, self.samples]))
             first = ends[:self.count] - 1  # each shard's last position
             last = np.searchsorted(ends, first + b - 1, "right")  # the shard of the batch's last position
+            last = np.minimum(last, np.arange(self.count) + self.count - 1)  # round to its first shard: each once
             prefix = np.concatenate([[0], np.cumsum(np.concatenate([self.size, self.size]))])
             self._widest[b] = int((prefix[last + 1] - prefix[:self.count]).max()) if self.count else 0
         return self._widest[b]
