@@ -233,3 +233,31 @@ def test_the_bound_holds_against_the_epoch_orders_every_batch():
         assert shards.per_batch(reading) >= worst_count and shards.need(reading) >= worst_bytes, case
         if shuffle == "none":
             assert shards.widest_run(b) == worst_bytes, case
+
+
+def test_block_windows_at_a_padded_last_batch_and_the_next_epoch_fit_the_cache_accepted(moto_server, s3_bucket,
+                                                                                       image_folder, tmp_path):
+    """shuffle='block', batches of 5 over 48 samples (the last one padded from the epoch's start) and 2 reader
+    threads: the padded batch holds the last window and the first, the next epoch's first batch its own first
+    window, read at once. The smallest cache accepted runs two epochs, resumed at an odd position too; a byte less
+    is refused before anything is read."""
+    local = write_image_dataset(tmp_path / "local", image_folder, max_samples=2)
+    url = f"s3://{s3_bucket}/ds"
+    _upload(local, url, moto_server.options())
+    opts = dict(OPTS, batch_size=5, shuffle="block", block_shards=2, shard_read_ahead=1, reader_threads=2,
+                storage_options=moto_server.options())
+    with pytest.raises(StorageError) as err:
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=1, **opts)
+    named = parse_size(re.search(r"; raise cache_size to at least (\S+ [kM]?B)", str(err.value))[1])
+    # no smaller block_shards or fewer threads fit 1 byte: the cache for block_shards=1 is named too
+    assert re.search(r"B, or use block_shards=1 with cache_size at least \S+ kB$", str(err.value)), str(err.value)
+    with pytest.raises(StorageError, match="cannot hold what shuffle='block' reads at once"):
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=named - 100, **opts)
+    with Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=named, **opts) as loader:
+        for epoch in range(3):
+            if epoch == 2:
+                state = loader.state_dict()
+                state["consumed"] = 7
+                loader.load_state_dict(state)
+            got = [i for b in loader for i, pad in zip(b["index"].tolist(), b["padded"].tolist()) if not pad]
+            assert len(got) == len(set(got)) == (41 if epoch == 2 else 48) and set(got) <= set(range(48)), epoch

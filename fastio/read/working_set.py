@@ -216,10 +216,10 @@ def _hint(shards: Shards, reading: Reading, cache_size: int, need: int) -> str:
         if fits:
             options.append(f"use {fewer}block_shards <= {fits}")
     if reading.shuffle != "global" and reading.batches > 1 and reading.threads_hint:
-        def fewer(k: int) -> Reading:  # k reader threads
+        def threads_of(k: int) -> Reading:  # read with k reader threads
             return dataclasses.replace(reading, batches=k, holders=min(reading.holders, k))
 
-        threads = _largest_fitting(lambda k: shards.need(fewer(k)) <= cache_size, reading.batches - 1)
+        threads = _largest_fitting(lambda k: shards.need(threads_of(k)) <= cache_size, reading.batches - 1)
         if threads:
             options.append(f"reader_threads={threads}")
     options.append(f"raise cache_size to at least {_at_least(need)}")
