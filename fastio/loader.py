@@ -300,7 +300,7 @@ class Loader:
         self.config = cfg = config
         self.pipeline: Pipeline = cfg.pipeline
         self._replicas = None if replicas is None else _replicas_of(replicas)
-        self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg.options)
+        self.read_set: ReadSet = open_read_set(dest, self.pipeline, cfg.options, cfg.batch_size)
         try:
             self._place()
         except BaseException:

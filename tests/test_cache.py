@@ -65,7 +65,7 @@ def test_epoch_through_a_cache_smaller_than_the_dataset_with_faults(moto_server,
     sizes = shard_sizes(small_shards)
     bound = sum(sorted(sizes)[-3:])  # room for 3 of the 6 shards
     opts = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none", shard_read_ahead=1,
-                cache_dir=str(tmp_path / "cache"), cache_size=bound,
+                reader_threads=1, cache_dir=str(tmp_path / "cache"), cache_size=bound,  # 2 shards + 1 read ahead
                 storage_options=moto_server.options(fault_proxy.endpoint, backoff_s=0.01))
     local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none"))
     cache = ShardCache(tmp_path / "cache", bound)
@@ -313,18 +313,19 @@ def test_a_loader_refuses_a_cache_smaller_than_its_working_set_at_once(moto_serv
     sizes = shard_sizes(small_shards)
     bound = int(sum(sizes) * 0.6)
     opts = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), cache_dir=str(tmp_path / "cache"),
-                cache_size=bound, storage_options=moto_server.options(), shard_read_ahead=1)
+                cache_size=bound, storage_options=moto_server.options(), shard_read_ahead=1, reader_threads=1)
     started = time.monotonic()
     assert sum(sorted(sizes)[::-1][:3]) <= bound < sum(sorted(sizes)[::-1][:4])  # 3 of the 6 shards fit, not 4
     with pytest.raises(StorageError, match=rf"{url}: cache_size .* cannot hold what shuffle='global' reads at once: "
                                            r".* \(every shard.*\); use shuffle='block' with block_shards <= 1, "
                                            "or raise cache_size"):
         Loader(url, **opts)
-    with pytest.raises(StorageError, match=r"shuffle='block' reads at once: .* \(two windows of the 3 largest shards "
-                                           r"\(a batch crossing into the next window holds shards of both\)\); "
+    with pytest.raises(StorageError, match=r"shuffle='block' reads at once: .* \(the largest shards of 1 batch of 8 "
+                                           r"samples read at once, each touching up to 6 shards of the windows of 3 it "
+                                           r"spans: a batch crossing into the next window holds shards of both\); "
                                            r"use block_shards <= 1, or raise"):
         Loader(url, shuffle="block", block_shards=3, **opts)
-    with pytest.raises(StorageError, match=r"two windows of the 2 largest shards"):  # one window + read-ahead fit: it
+    with pytest.raises(StorageError, match=r"up to 4 shards of the windows of 2"):  # one window + read-ahead fit: it
         Loader(url, shuffle="block", block_shards=2, **opts)  # passed, then failed where a batch crossed windows
     assert time.monotonic() - started < 10
     local = raw_epoch(Loader(small_shards, batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",))))
@@ -361,19 +362,19 @@ def test_the_cache_size_suggested_is_enough_for_the_mode_it_is_suggested_for():
     200 bytes; the read-ahead shrinks to the room left). The hint named the cache_size of block_shards=1 as
     the one for shuffle='global', which needs 1000."""
     from fastio.progress import human_bytes
-    from fastio.read.working_set import check_working_set
+    from fastio.read.working_set import Reading, Shards, check_working_set
 
-    sizes = [100] * 10
+    shards = Shards([100] * 10, [10] * 10)  # batches of 10 read one at a time: two windows of block_shards
     for shuffle, block_shards, need in (("global", 4, 1000), ("block", 4, 800)):
         with pytest.raises(StorageError) as err:
-            check_working_set(sizes, shuffle, block_shards, 2, 150, "s3://b/ds")
+            check_working_set(shards, Reading(shuffle, block_shards, 10), 2, 150, "s3://b/ds")
         hint = str(err.value).split("; ", 1)[1]
-        assert hint.startswith(f"raise cache_size to {human_bytes(need)}, or use "), hint
+        assert hint.startswith(f"raise cache_size to at least {human_bytes(need)}, or use "), hint
         assert hint.endswith(f"block_shards=1 with cache_size at least {human_bytes(200)}"), hint
     with pytest.raises(StorageError, match=f"; raise cache_size to at least {human_bytes(200)}$"):
-        check_working_set(sizes, "block", 1, 2, 150, "s3://b/ds")
+        check_working_set(shards, Reading("block", 1, 10), 2, 150, "s3://b/ds")
     with pytest.raises(StorageError, match="cache_size 499999 bytes cannot hold .* at once: 500000 bytes"):
-        check_working_set([100_000] * 5, "global", 1, 2, 499_999, "s3://b/ds")  # both "500.0 kB" when rounded
+        check_working_set(Shards([100_000] * 5, [1] * 5), Reading("global", 1, 1), 2, 499_999, "s3://b/ds")
 
 
 def test_a_non_cache_directory_is_refused(tmp_path):

@@ -338,10 +338,11 @@ def test_one_silent_mel_band_says_it_holds_and_it_would():
 
 
 def test_a_cache_of_one_block_shard_says_the_one_largest_shard():
-    from fastio.read.working_set import check_working_set
+    from fastio.read.working_set import Reading, Shards, check_working_set
 
-    with pytest.raises(fastio.StorageError, match=r"\(two windows of the 1 largest shard \(a batch crossing"):
-        check_working_set([100, 100, 100], "block", 1, 0, 150, "s3://b/ds")
+    with pytest.raises(fastio.StorageError, match=r"\(the largest shards of 1 batch of 1 sample read at once, each "
+                                                  r"touching up to 1 shard of the windows of 1 it spans: a batch"):
+        check_working_set(Shards([100, 100, 100], [1, 1, 1]), Reading("block", 1, 1), 0, 50, "s3://b/ds")
 
 
 def test_samples_with_one_field_fields_does_not_list_say_field(tmp_path):

@@ -510,8 +510,10 @@ def test_an_s3_dataset_read_through_a_small_cache_is_the_local_one(corpus, moto_
     open_storage(url, moto_server.options()).publish_dir(corpus, keys_last=(MANIFEST_NAME,))
     biggest = max(s.stat().st_size for s in (corpus / "shards").glob("*.bin"))
     cache = tmp_path / "cache"
-    opening = dict(cache_dir=str(cache), storage_options=moto_server.options(), cache_size=3 * biggest,
-                   shuffle="none", reader_threads=threads)
+    sizes = sorted((s.stat().st_size for s in (corpus / "shards").glob("*.bin")), reverse=True)
+    # a batch touches up to 2 shards, and each reader thread reads one batch at once: room for 3 or 4 of the 5
+    opening = dict(cache_dir=str(cache), storage_options=moto_server.options(),
+                   cache_size=3 * biggest if threads == 1 else sum(sizes[:4]), shuffle="none", reader_threads=threads)
     with _loader(url, **opening) as remote, _loader(corpus, shuffle="none", reader_threads=1) as local:
         for _ in range(2):
             for x, y in zip(remote, local, strict=True):

@@ -7,21 +7,24 @@ from __future__ import annotations
 import gc
 import logging
 import random
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import write_image_dataset
 
 from fastio import Loader, Mixture, Raw
 from fastio.dataset.manifest import MANIFEST_NAME, SHARDS_DIR
 from fastio.errors import StorageError
-from fastio.progress import human_bytes
-from fastio.read.working_set import check_working_set
+from fastio.progress import human_bytes, parse_size
+from fastio.read.working_set import Reading, Shards, check_working_set
 from fastio.storage import open_storage
 
-OPTS = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="block", block_shards=2)
+OPTS = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="block", block_shards=2,
+            reader_threads=1)  # one batch read at once: 4 shards (two windows)
 
 
 @pytest.fixture
@@ -64,8 +67,10 @@ def test_a_cache_without_room_for_the_read_ahead_shrinks_it_with_one_warning(mot
                                f"shuffle='block' reads at once ({human_bytes(_largest(shards, 4))}) but not 2 more "
                                "shards read ahead (raise cache_size, or set shard_read_ahead=1 to silence this)"]
     with pytest.raises(StorageError, match=rf"{url}: cache_size .* cannot hold what shuffle='block' reads at once: "
-                                           r".* \(two windows of the 2 largest shards \(a batch crossing into the "
-                                           r"next window holds shards of both\)\); use block_shards <= 1"):
+                                           r".* \(the largest shards of 1 batch of 8 samples read at once, each "
+                                           r"touching up to 4 shards of the windows of 2 it spans: a batch crossing "
+                                           r"into the next window holds shards of both\); use block_shards <= 1, or "
+                                           r"raise cache_size to at least"):
         Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=_largest(shards, 4) - 1,
                storage_options=moto_server.options(), **OPTS)
 
@@ -81,7 +86,9 @@ def test_mixture_sources_sharing_a_cache_shrink_their_read_ahead_together(moto_s
     caplog.set_level(logging.WARNING, logger="fastio")
     mixture = Mixture(urls, cache_dir=tmp_path / "cache", cache_size=2 * _largest(shards, 4),
                       storage_options=moto_server.options())
-    with Loader(mixture, **OPTS) as loader:
+    # one reader thread each; a source's part of the padded last batch spans two stretches of its order: 2 x 2
+    # windows of 1 shard
+    with Loader(mixture, **dict(OPTS, block_shards=1, reader_threads=2)) as loader:
         seen = [(int(s), int(i)) for b in loader for s, i, pad in zip(b["source"], b["index"], b["padded"]) if not pad]
     assert len(seen) == len(set(seen)) == loader.mixture.samples_per_epoch
     assert {s for s, _ in seen} == {0, 1}
@@ -89,32 +96,36 @@ def test_mixture_sources_sharing_a_cache_shrink_their_read_ahead_together(moto_s
 
 
 def test_the_read_ahead_that_fits_is_returned_and_only_the_batches_own_shards_are_refused(caplog):
-    """Ten shards of 100 bytes, block_shards=1 (two windows: 200 bytes), 2 read ahead (400 bytes in all)."""
-    sizes = [100] * 10
-    assert [check_working_set(sizes, "block", 1, 2, room, "s3://b/ds") for room in (200, 399, 400, 10_000)] == [0, 1, 2, 2]
-    assert check_working_set(sizes, "global", 1, 7, 1000, "s3://b/ds") == 7  # a global shuffle holds every shard
+    """Ten shards of 100 bytes and 10 samples, batches of 10 read one at a time, block_shards=1 (two windows: 200
+    bytes), 2 read ahead (400 bytes in all)."""
+    shards = Shards([100] * 10, [10] * 10)
+    block, none = Reading("block", 1, 10), Reading("none", 1, 10)
+    assert [check_working_set(shards, block, 2, room, "s3://b/ds") for room in (200, 399, 400, 10_000)] == [0, 1, 2, 2]
+    assert check_working_set(shards, Reading("global", 1, 10), 7, 1000, "s3://b/ds") == 7  # every shard is held
     with pytest.raises(StorageError, match=r"cache_size 199 B cannot hold .* 200 B .*; raise cache_size to at least 200 B$"):
-        check_working_set(sizes, "block", 1, 2, 199, "s3://b/ds")
-    assert check_working_set(sizes, "none", 1, 10**9, 10**9, "s3://b/ds") == 10**9  # a deep read-ahead: no loop over it
+        check_working_set(shards, block, 2, 199, "s3://b/ds")
+    assert check_working_set(shards, none, 10**9, 10**9, "s3://b/ds") == 10**9  # a deep read-ahead: no loop over it
 
 
 def test_a_refusal_at_a_million_shards_comes_at_once_and_names_the_largest_block_shards_that_fits():
     """The refusal's hint tried every block_shards from 1 to the shard count, sorting all shard sizes for each: at
     the 10^5 shards of docs/scaling.md a rank spent minutes (quadratic) before its one line; at 10^6, hours."""
     code = ("from fastio.read.working_set import check_working_set\n"
-            "try:\n    check_working_set([10**6] * 10**6, 'global', 4, 2, 5 * 10**6, 's3://b/ds')\n"
+            "from fastio.read.working_set import Reading, Shards\n"
+            "try:\n    check_working_set(Shards([10**6] * 10**6, [100] * 10**6), Reading('global', 4, 100), 2, 5 * 10**6, "
+            "'s3://b/ds')\n"
             "except Exception as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True).stdout
     assert out.endswith("cache_size 5.0 MB cannot hold what shuffle='global' reads at once: 1.0 TB (every shard: a "
                         "global shuffle draws each batch from the whole dataset); use shuffle='block' with "
-                        "block_shards <= 2, or raise cache_size to 1.0 TB\n"), out
+                        "block_shards <= 2, or raise cache_size to at least 1.0 TB\n"), out
     rng = random.Random(0)
     for _ in range(200):  # ragged shards: the largest block_shards whose two largest windows fit, as named
         sizes = [rng.randint(1, 50) for _ in range(rng.randint(2, 12))]
         room = rng.randint(1, sum(sizes) - 1)
         fits = [b for b in range(1, len(sizes) + 1) if sum(sorted(sizes)[::-1][:2 * b]) <= room]
         with pytest.raises(StorageError) as err:
-            check_working_set(sizes, "global", 1, 0, room, "s3://b/ds")
+            check_working_set(Shards(sizes, [1000] * len(sizes)), Reading("global", 1, 1000), 0, room, "s3://b/ds")
         named = f"block_shards <= {max(fits)}," if fits else "block_shards <="
         assert (named in str(err.value)) == bool(fits), (sizes, room, str(err.value))
 
@@ -134,7 +145,7 @@ def test_two_loaders_of_one_process_are_checked_together_on_one_cache(moto_serve
     largest = max(p.stat().st_size for p in (tmp_path / "a" / "shards").glob("*.tar"))
     cache = dict(cache_dir=str(tmp_path / "cache"), cache_size=3 * largest)  # one working set: 2 shards
     kw = dict(batch_size=8, device="cpu", pipeline=Raw(fields=("jpg",)), shuffle="none", shard_read_ahead=0,
-              storage_options=opts, **cache)
+              reader_threads=1, storage_options=opts, **cache)
     first = Loader(urls[0], **kw)
     with pytest.raises(StorageError, match=rf"^{urls[1]}: cache_size .* of {tmp_path / 'cache'} cannot hold this "
                                            rf"Loader's working set \(.*\) beside those of the other Loaders in this "
@@ -151,3 +162,102 @@ def test_two_loaders_of_one_process_are_checked_together_on_one_cache(moto_serve
     other = dict(kw, cache_dir=str(tmp_path / "cache2"))
     with Loader(urls[0], **kw) as one, Loader(urls[1], **other) as two:  # separate caches: no claim between them
         assert sum(len(a["jpg"]) + len(b["jpg"]) for a, b in zip(one, two)) == 96
+
+
+def test_a_cache_the_check_accepts_holds_the_shards_of_the_batches_read_at_once(moto_server, s3_bucket, image_folder,
+                                                                               tmp_path):
+    """24 shards of 2 samples, batch_size=8, shuffle='none', no shard read-ahead, a cache of the two largest shards:
+    accepted by the check (two shards: 'a batch crossing from one into the next'), then the first epoch failed with
+    'no room for shard ... held by this process's own shards in use': one batch touches 4 or 5 shards, and the
+    reader threads read several batches at once. Now refused when made, naming a size; at that size the epoch runs,
+    each sample once."""
+    local = write_image_dataset(tmp_path / "local", image_folder, max_samples=2)
+    url = f"s3://{s3_bucket}/ds"
+    _upload(local, url, moto_server.options())
+    opts = dict(OPTS, shuffle="none", shard_read_ahead=0, reader_threads=2, storage_options=moto_server.options())
+    with pytest.raises(StorageError, match=rf"^{url}: cache_size .* cannot hold what shuffle='none' reads at once"):
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=_largest(local, 2), **opts)
+    sizes = [p.stat().st_size for p in sorted((local / SHARDS_DIR).glob("*.tar"))]
+    run = max(sum((sizes * 2)[i:i + 5]) for i in range(len(sizes)))  # a batch of 8 from a shard's last sample on
+    need = min(2 * run, _largest(local, 10))  # 2 reader threads: 2 batches at once, 5 shards each
+    with pytest.raises(StorageError) as err:
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=need - 1, **opts)
+    named = re.search(r"; use reader_threads=1, or raise cache_size to at least (\d+\.\d+ [kM]B)$", str(err.value))
+    assert named and need <= parse_size(named[1]) < need + 100, str(err.value)
+    assert "(the shards of 2 batches of 8 samples read at once, each touching up to 5 consecutive shards)" in str(err.value)
+    for size in (need, parse_size(named[1])):
+        for start in (0, 3):  # a resume at an odd position: batches straddle one more shard
+            with Loader(url, cache_dir=str(tmp_path / f"cache{size}"), cache_size=size, **opts) as loader:
+                if start:
+                    state = loader.state_dict()
+                    state["consumed"] = start
+                    loader.load_state_dict(state)
+                got = sorted(i for b in loader for i, pad in zip(b["index"].tolist(), b["padded"].tolist()) if not pad)
+            assert got == list(range(start, 48))
+
+
+def test_a_token_readers_threads_each_hold_a_shard_of_any_source():
+    """A token reader's threads (all of reader_threads, shared by a mixture's sources) each hold one shard at a time,
+    whatever the batch: a source of a token mixture read with batch_size=1 and 4 threads can have 4 of its shards in
+    use at once, where its stored-sample share (1 thread, 1 shard a batch) counted one."""
+    shards = Shards([100] * 10, [5] * 10)
+    share = Reading("block", 1, 1, batches=1, runs=2)
+    assert shards.need(share) == 100
+    assert shards.need(Reading("block", 1, 1, batches=1, runs=2, holders=4)) == 400
+    assert shards.need(Reading("none", 1, 1, batches=1, holders=4), 1) == 500
+
+
+def test_the_bound_holds_against_the_epoch_orders_every_batch():
+    """Ragged shards (empty ones too), every start (a resume's, a rank's) and the padded wrap of several epochs'
+    real orders: no batch touches more shards or bytes than the bound; for shuffle='none' the widest run is exact
+    (it counted a shard twice where a batch wrapped around the whole epoch back into its first shard)."""
+    from fastio.order.sampler import epoch_order
+
+    rng = random.Random(1)
+    for _ in range(150):
+        samples = [rng.choice([0, 1, 1, 2, 3, 5, 8]) for _ in range(rng.randint(1, 9))]
+        if not sum(samples):
+            continue
+        sizes = [rng.randint(1, 100) for _ in samples]
+        n, shard_of = sum(samples), np.repeat(np.arange(len(samples)), samples)
+        b, bs, shuffle = rng.randint(1, n), rng.randint(1, 4), rng.choice(["none", "block"])
+        worst_bytes = worst_count = 0
+        for epoch in range(4 if shuffle == "block" else 1):
+            order = np.asarray(epoch_order(samples, 0, epoch, "fp", shuffle, bs))
+            for start in range(n):
+                touched = np.unique(shard_of[order[(start + np.arange(b)) % n]]).tolist()
+                worst_bytes = max(worst_bytes, sum(sizes[i] for i in touched))
+                worst_count = max(worst_count, len(touched))
+        shards, reading = Shards(sizes, samples), Reading(shuffle, bs, b)
+        case = (shuffle, samples, sizes, b, bs)
+        assert shards.per_batch(reading) >= worst_count and shards.need(reading) >= worst_bytes, case
+        if shuffle == "none":
+            assert shards.widest_run(b) == worst_bytes, case
+
+
+def test_block_windows_at_a_padded_last_batch_and_the_next_epoch_fit_the_cache_accepted(moto_server, s3_bucket,
+                                                                                       image_folder, tmp_path):
+    """shuffle='block', batches of 5 over 48 samples (the last one padded from the epoch's start) and 2 reader
+    threads: the padded batch holds the last window and the first, the next epoch's first batch its own first
+    window, read at once. The smallest cache accepted runs two epochs, resumed at an odd position too; a byte less
+    is refused before anything is read."""
+    local = write_image_dataset(tmp_path / "local", image_folder, max_samples=2)
+    url = f"s3://{s3_bucket}/ds"
+    _upload(local, url, moto_server.options())
+    opts = dict(OPTS, batch_size=5, shuffle="block", block_shards=2, shard_read_ahead=1, reader_threads=2,
+                storage_options=moto_server.options())
+    with pytest.raises(StorageError) as err:
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=1, **opts)
+    named = parse_size(re.search(r"; raise cache_size to at least (\S+ [kM]?B)", str(err.value))[1])
+    # no smaller block_shards or fewer threads fit 1 byte: the cache for block_shards=1 is named too
+    assert re.search(r"B, or use block_shards=1 with cache_size at least \S+ kB$", str(err.value)), str(err.value)
+    with pytest.raises(StorageError, match="cannot hold what shuffle='block' reads at once"):
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=named - 100, **opts)
+    with Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=named, **opts) as loader:
+        for epoch in range(3):
+            if epoch == 2:
+                state = loader.state_dict()
+                state["consumed"] = 7
+                loader.load_state_dict(state)
+            got = [i for b in loader for i, pad in zip(b["index"].tolist(), b["padded"].tolist()) if not pad]
+            assert len(got) == len(set(got)) == (41 if epoch == 2 else 48) and set(got) <= set(range(48)), epoch

@@ -37,7 +37,7 @@ from fastio.read.mixture import (
 from fastio.read.options import Options
 from fastio.read.protocol import Delivery, FieldChoice, Reads, read_fields_of
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
-from fastio.read.working_set import check_shared_working_set, check_working_set, working_set_bytes
+from fastio.read.working_set import Reading, Shards, check_shared_working_set, check_working_set
 from fastio.words import count
 
 __all__ = ["K_MIXTURE", "DatasetReadSet", "MixtureReadSet", "ReadSet", "open_read_set"]
@@ -62,19 +62,21 @@ class _Source:
 class ReadSet:
     """What the Loader reads (see the module docstring). ``target`` is the :class:`Dataset` or :class:`Mixture`;
     ``options``: the Loader's :class:`~fastio.read.options.Options` (reader threads, the shuffle, the shards' cache,
-    checks and read-ahead)."""
+    checks and read-ahead); ``batch_size``: the samples of one batch of a rank (what a cache's working set is
+    counted in)."""
 
     def __init__(self, target: Dataset | Mixture, names: Sequence[str], datasets: Sequence[Dataset],
-                 pipeline: Reads, options: Options):
+                 pipeline: Reads, options: Options, batch_size: int):
         self.target, self.names, self.pipeline = target, tuple(names), pipeline
         self.mixture: Mixture | None = target if isinstance(target, Mixture) else None
         """The :class:`Mixture` read, else None (for those who want to know; the Loader does not ask)."""
         labels = [ds.label_field for ds in datasets]
         shared = [f for f in datasets[0].fields if all(f in ds.fields for ds in datasets)]
         choice = FieldChoice.of(pipeline.fields, pipeline.default_fields, labels, shared)
-        depth = _check_shared_caches(self.names, datasets, options)
+        readings = _readings(self.names, options, batch_size, self.mixture is not None)
+        depth = _check_shared_caches(self.names, datasets, options, readings)
         self.reader_threads: int = options.performance.reader_threads
-        self.sources = self._open(datasets, choice, options, depth)
+        self.sources = self._open(datasets, choice, options, depth, readings)
         first = self.sources[0]
         named = {s.label_field for s in self.sources}
         self.label_column: str | None = first.label_field if choice.label and len(named) == 1 else None
@@ -88,11 +90,12 @@ class ReadSet:
 
     # -- opening --------------------------------------------------------------------------------------
 
-    def _open(self, datasets: Sequence[Dataset], choice, options: Options, depth: dict[str, int]) -> list[_Source]:
+    def _open(self, datasets: Sequence[Dataset], choice, options: Options, depth: dict[str, int],
+              readings: dict[str, Reading]) -> list[_Source]:
         """One source per dataset, each reading ``choice``'s fields and its own label field; the datasets share
         ``options.performance.reader_threads`` (each reads its part of every batch, in parallel with the others); ``depth``:
-        the shard read-ahead that sources sharing a cache have room for, by name."""
-        threads = -(-options.performance.reader_threads // len(datasets))
+        the shard read-ahead that sources sharing a cache have room for, by name; ``readings``: how each is read."""
+        threads = _threads_per_source(options, len(datasets))
         sources: list[_Source] = []
         try:
             for name, ds in zip(self.names, datasets):
@@ -103,7 +106,7 @@ class ReadSet:
                                            f"({choice.asked!r} of the others) are wanted; index it with "
                                            "--label-field, or leave labels out with pipeline=fastio.Raw(fields=...)")
                     fields = [*choice.others, ds.label_field] if choice.label else list(choice.others)
-                    sources.append(_open_source(ds, self.pipeline, fields, threads, options,
+                    sources.append(_open_source(ds, self.pipeline, fields, threads, options, readings[name],
                                                 ds.label_field if choice.label else None, depth.get(name)))
                 except DatasetError as err:
                     raise self._named(name, err) from None
@@ -221,8 +224,8 @@ class ReadSet:
 class DatasetReadSet(ReadSet):
     """One dataset: ids are its dataset-wide indices; today's :class:`~fastio.order.sampler.Sampler` orders them."""
 
-    def __init__(self, ds: Dataset, pipeline: Reads, options: Options):
-        super().__init__(ds, [str(ds.root)], [ds], pipeline, options)
+    def __init__(self, ds: Dataset, pipeline: Reads, options: Options, batch_size: int):
+        super().__init__(ds, [str(ds.root)], [ds], pipeline, options, batch_size)
 
     def sampler(self, spec: SamplerSpec, world_size: int, rank: int) -> Sampler:
         ds = self.target
@@ -266,8 +269,8 @@ class MixtureReadSet(ReadSet):
     """A :class:`~fastio.Mixture`: ids are mixture ids (source ``s``'s sample ``i`` is ``base[s] + i``), in the
     mixture's order; batches carry ``source`` and ``index``; its state entry names sources, weights, length."""
 
-    def __init__(self, mixture: Mixture, pipeline: Reads, options: Options):
-        super().__init__(mixture, mixture.names, mixture.datasets, pipeline, options)
+    def __init__(self, mixture: Mixture, pipeline: Reads, options: Options, batch_size: int):
+        super().__init__(mixture, mixture.names, mixture.datasets, pipeline, options, batch_size)
         self.delivered = np.zeros(len(self.sources), np.int64)
 
     def _named(self, name: str, err: DatasetError) -> DatasetError:
@@ -329,32 +332,48 @@ class MixtureReadSet(ReadSet):
         return out
 
 
-def open_read_set(target: str | Any | Dataset | Mixture, pipeline: Reads, options: Options) -> ReadSet:
+def open_read_set(target: str | Any | Dataset | Mixture, pipeline: Reads, options: Options,
+                  batch_size: int) -> ReadSet:
     """The read set of a :class:`Mixture`, a :class:`Dataset`, or a DEST (a path or URL, opened with
-    ``options.shards``' verify, cache_dir, cache_size and storage_options)."""
+    ``options.shards``' verify, cache_dir, cache_size and storage_options), read ``batch_size`` samples a batch."""
     if isinstance(target, Mixture):
-        return MixtureReadSet(target, pipeline, options)
+        return MixtureReadSet(target, pipeline, options, batch_size)
     if not isinstance(target, Dataset):
         shards = options.shards
         target = Dataset(target, verify=shards.verify, cache_dir=shards.cache_dir, cache_size=shards.cache_size,
                          storage_options=shards.storage_options)
-    return DatasetReadSet(target, pipeline, options)
+    return DatasetReadSet(target, pipeline, options, batch_size)
 
 
-def _open_source(ds: Dataset, pipeline: Reads, fields: list[str], threads: int, options: Options,
+def _threads_per_source(options: Options, sources: int) -> int:
+    """Reader threads of each source (they share ``reader_threads``)."""
+    return -(-options.performance.reader_threads // sources)
+
+
+def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: bool) -> dict[str, Reading]:
+    """How each source is read, for its cache's working set: a batch of ``batch_size`` samples (at most: a
+    source's part of a mixture's batch), as many at once as its reader threads read (at most the feeder's
+    ``read_ahead`` batches and the one it waits for); a token reader's threads hold one shard each, of any source."""
+    order, threads, batches = options.order, _threads_per_source(options, len(names)), options.performance.read_ahead + 2
+    holders = min(options.performance.reader_threads, batches)  # a token reader's threads: one shard each
+    return {name: Reading(order.shuffle, order.block_shards, batch_size, min(threads, batches), runs=2 if mixture else 1,
+                          threads_hint=not mixture, holders=holders) for name in names}
+
+
+def _open_source(ds: Dataset, pipeline: Reads, fields: list[str], threads: int, options: Options, reading: Reading,
                  label_field: str | None, read_ahead: int | None = None) -> _Source:
     """The reader of ``ds`` for ``pipeline`` delivering ``fields`` (none where the pipeline reads no stored
     sample: then only its shard source), with at most ``read_ahead`` shards read ahead (default
-    ``options.shards.shard_read_ahead``; fewer where the cache has no room for them)."""
+    ``options.shards.shard_read_ahead``; fewer where the cache has no room for them); ``reading``: how its batches
+    are read (its cache's working set)."""
     wanted = read_fields_of(pipeline, ds, fields)
     need = None
-    order, shards = options.order, options.shards
+    shards = options.shards
     depth = shards.shard_read_ahead if read_ahead is None else read_ahead
     if ds.files.cache_size is not None:  # refused now, not after a fill waited for room that never comes
-        sizes = [s.bytes for s in ds.shards]
-        depth = check_working_set(sizes, order.shuffle, order.block_shards, depth, ds.files.cache_size,
-                                  str(ds.root))
-        need = working_set_bytes(sizes, order.shuffle, order.block_shards, depth)
+        held = _shards_of(ds)
+        depth = check_working_set(held, reading, depth, ds.files.cache_size, str(ds.root))
+        need = held.need(reading, depth)
     # None: local files; a cache's files claim their working set beside this process's other Loaders' there
     files = ds.files.shard_files(ds.shards, read_ahead=depth, working_set=need)
     if wanted is None:
@@ -371,18 +390,22 @@ def _close_source(s: _Source) -> None:
         s.files.close()
 
 
-def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Options) -> dict[str, int]:
+def _shards_of(ds: Dataset) -> Shards:
+    return Shards([s.bytes for s in ds.shards], [s.samples for s in ds.shards])
+
+
+def _check_shared_caches(names: Sequence[str], datasets: Sequence[Dataset], options: Options,
+                         readings: dict[str, Reading]) -> dict[str, int]:
     """Remote datasets reading through one cache read their working sets at once: checked together; returns
     the shard read-ahead that those sharing a cache have room for, by name."""
-    shared: dict[Any, dict[str, list[int]]] = {}
+    shared: dict[Any, dict[str, Shards]] = {}
     for name, ds in zip(names, datasets):
         if ds.files.cache_size is not None:
-            shared.setdefault((str(ds.files.cache.dir), ds.files.cache_size), {})[name] = [s.bytes for s in ds.shards]
+            shared.setdefault((str(ds.files.cache.dir), ds.files.cache_size), {})[name] = _shards_of(ds)
     depth: dict[str, int] = {}
     for (where, size), sources in shared.items():
         if len(sources) > 1:
-            fits = check_shared_working_set(sources, options.order.shuffle, options.order.block_shards,
-                                            options.shards.shard_read_ahead, size, where)
+            fits = check_shared_working_set(sources, readings, options.shards.shard_read_ahead, size, where)
             depth.update(dict.fromkeys(sources, fits))
     return depth
 

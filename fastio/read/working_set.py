@@ -1,44 +1,143 @@
-"""What a Loader over an object-store dataset needs in its node-local cache at once, by shuffle mode, and the
-refusal when ``cache_size`` cannot hold it (at construction, not after a fill has waited for room in vain):
+"""What a Loader over an object-store dataset needs in its node-local cache at once, and the refusal when
+``cache_size`` cannot hold it (at construction, not after a fill has waited for room in vain).
+
+A reader thread holds the shards of the batch it reads (every shard the batch has a sample in) until it has read
+them all, and ``batches`` of them are read at once (the reader threads, at most the read-ahead batches + 2: see
+:class:`Reading`). What one batch of ``batch_size`` samples can touch, whatever the epoch, the rank, a resume's
+start or the padded last batch (which wraps to the epoch's start), by shuffle mode:
 
 - ``global``: every batch draws from the whole dataset, so every shard is wanted at once: all of it;
-- ``block``: two windows of ``block_shards`` shards (the largest ones, as a bound whatever the epoch's order):
-  the batches that cross from one window into the next (or into the next epoch) hold shards of both; plus
-  ``shard_read_ahead`` shards filled ahead;
-- ``none``: two shards (a batch crossing from one into the next) plus the read-ahead.
+- ``block``: the windows of ``block_shards`` shards its positions span: the two at its ends (any shards of them:
+  samples are shuffled within a window) and those wholly inside it, at most the smallest shards whose samples add
+  up to ``batch_size - 2``; the ``batches x`` that many largest shards bound the bytes held at once (the windows
+  are shuffled anew each epoch);
+- ``none``: the consecutive shards its positions span (the order is fixed: the widest run of ``batch_size``
+  positions, the epoch's end wrapping to its start), ``batches`` times.
 
-The read-ahead is an optimisation: where the cache holds what the batches need but not the read-ahead on top,
-it shrinks to the shards that fit (down to none), with one warning line on the ``fastio`` logger. Only a cache
-that cannot hold the batches' own shards is refused, when the Loader is made; with it, an epoch never finds the
-cache full of this process's own shards in use (a fill that did would fail at once:
-:class:`fastio.storage.cache.ShardCache`).
+A source of a mixture takes a batch's samples from up to two stretches of its own order (the padded last batch
+wraps to the mixture epoch's start): ``runs=2``, twice the end windows. On top of that, ``shard_read_ahead``
+shards filled ahead (the largest). The read-ahead is an optimisation: where the cache holds what the batches
+need but not the read-ahead on top, it shrinks to the shards that fit (down to none), with one warning line on
+the ``fastio`` logger. Only a cache that cannot hold the batches' own shards is refused, when the Loader is made,
+with the smallest ``cache_size`` that holds them (and the ``block_shards`` or ``reader_threads`` that fit the
+one given); with a cache accepted, an epoch never finds it full of this process's own shards in use (a fill that
+did would fail at once: :class:`fastio.storage.cache.ShardCache`). One sort and prefix sums: O(S log S) for S
+shards, whatever the samples.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from fastio.errors import StorageError
-from fastio.progress import human_bytes
+from fastio.progress import human_bytes, parse_size
 from fastio.words import agree, count
 
-__all__ = ["check_shared_working_set", "check_working_set", "working_set_bytes"]
+__all__ = ["Reading", "Shards", "check_shared_working_set", "check_working_set"]
 
 
-def _largest(shard_bytes: Sequence[int], count: int) -> int:
-    """Bytes of the ``count`` largest shards."""
-    sizes = np.sort(np.asarray(shard_bytes, np.int64))[::-1]
-    return int(sizes[:max(count, 0)].sum())
+@dataclass(frozen=True)
+class Reading:
+    """How a Loader reads a dataset, as far as its working set goes."""
+
+    shuffle: str
+    block_shards: int
+    batch_size: int
+    """Samples of one of this rank's batches."""
+    batches: int = 1
+    """Batches read at once: the reader threads, at most ``read_ahead + 2`` (the batches whose reads the feeder
+    started ahead, and the one it waits for)."""
+    runs: int = 1
+    """Stretches of the dataset's order one batch covers: 1 for a dataset (its padded last batch wraps around its
+    own order), 2 for a source of a mixture (its part of the mixture's padded last batch comes from the mixture
+    epoch's end and its start)."""
+    threads_hint: bool = True
+    """Whether a refusal may name ``reader_threads`` (the Loader's batches at once are its reader threads)."""
+    holders: int = 0
+    """Reader threads that may each hold one of its shards at once, whatever the batch: a token reader's threads
+    (each reads one shard at a time, of any source of a mixture: all of ``reader_threads``, where a source's
+    stored-sample reader has its share of them)."""
 
 
-def working_set_bytes(shard_bytes: Sequence[int], shuffle: str, block_shards: int, shard_read_ahead: int) -> int:
-    """Shard bytes a reader of ``shuffle`` mode needs in the cache at the same time (see the module docstring)."""
-    if shuffle == "global":
-        return int(np.asarray(shard_bytes, np.int64).sum())
-    return _largest(shard_bytes, 2 * (block_shards if shuffle == "block" else 1) + shard_read_ahead)
+class Shards:
+    """The shards of a dataset that are ever read (those with samples), sorted once for the bounds below."""
+
+    def __init__(self, shard_bytes: Sequence[int], shard_samples: Sequence[int]):
+        size = np.asarray(shard_bytes, np.int64).reshape(-1)
+        samples = np.asarray(shard_samples, np.int64).reshape(-1)
+        if size.shape != samples.shape:
+            raise ValueError(f"{len(size)} shard sizes for {len(samples)} shard sample counts")
+        read = samples > 0
+        self.size, self.samples = size[read], samples[read]  # in shard order
+        self.count, self.n = len(self.size), int(self.samples.sum())
+        self._top = np.concatenate([[0], np.cumsum(np.sort(self.size)[::-1])])  # _top[k]: bytes of the k largest
+        self._fewest = np.cumsum(np.sort(self.samples))  # samples of the k + 1 smallest shards
+        self._widest: dict[int, int] = {}
+
+    @property
+    def total(self) -> int:
+        return int(self._top[-1])
+
+    def largest(self, k: int) -> int:
+        """Bytes of the ``k`` largest shards (all of them past their count)."""
+        return int(self._top[min(max(k, 0), self.count)])
+
+    def per_batch(self, reading: Reading, block_shards: int | None = None) -> int:
+        """The most shards one batch can touch (see the module docstring)."""
+        b = reading.batch_size
+        if b >= self.n:
+            return self.count
+        bs = (reading.block_shards if block_shards is None else block_shards) if reading.shuffle == "block" else 1
+        ends = 2 * reading.runs
+        inside = int(np.searchsorted(self._fewest, b - ends, "right")) if b >= ends else 0
+        return min(self.count, b, ends * bs + inside)
+
+    def widest_run(self, b: int) -> int:
+        """Bytes of the shards ``b`` consecutive positions of the fixed order touch at most (the end wrapping to the
+        start): from each shard's last sample on, one searchsorted over the shards twice over."""
+        if b >= self.n:
+            return self.total
+        if b not in self._widest:
+            ends = np.cumsum(np.concatenate([self.samples, self.samples]))
+            first = ends[:self.count] - 1  # each shard's last position
+            last = np.searchsorted(ends, first + b - 1, "right")  # the shard of the batch's last position
+            last = np.minimum(last, np.arange(self.count) + self.count - 1)  # round to its first shard: each once
+            prefix = np.concatenate([[0], np.cumsum(np.concatenate([self.size, self.size]))])
+            self._widest[b] = int((prefix[last + 1] - prefix[:self.count]).max()) if self.count else 0
+        return self._widest[b]
+
+    def need(self, reading: Reading, read_ahead: int = 0, block_shards: int | None = None) -> int:
+        """Bytes the cache must hold at once: the shards of ``reading.batches`` batches and ``read_ahead`` more."""
+        if reading.shuffle == "global":
+            return self.total
+        held = max(reading.batches * self.per_batch(reading, block_shards), reading.holders)
+        bound = self.largest(held + read_ahead)
+        if reading.shuffle == "none" and reading.runs == 1:
+            batches = max(reading.batches * self.widest_run(reading.batch_size), self.largest(reading.holders))
+            bound = min(bound, batches + self.largest(read_ahead))
+        return bound
+
+
+def _at_least(n: int) -> str:
+    """``n`` bytes as :func:`human_bytes` writes them, rounded up: a size that, given as ``cache_size``, is not below
+    ``n`` (``307.2 kB`` for 307,245 bytes would be: ``307.25 kB``), with a decimal more where rounding up to one
+    would change what :func:`human_bytes` shows (``5.12 MB``, not ``5.2 MB`` beside a need shown as ``5.1 MB``)."""
+    shown = human_bytes(n)
+    unit = shown.split()[1]
+    if unit == "B":
+        return shown
+    scale = 1000 ** ("B", "kB", "MB", "GB", "TB").index(unit)
+    for digits in (1, 2, 3):
+        q = -(-n * 10**digits // scale)  # rounded up, in integers
+        text = f"{q // 10**digits}.{q % 10**digits:0{digits}d} {unit}"
+        if parse_size(text, "cache_size") >= n and (digits > 1 or text == shown):
+            return text
+    return count(n, "byte")
 
 
 def _fitting_read_ahead(need, shard_read_ahead: int, cache_size: int) -> int:
@@ -51,6 +150,15 @@ def _fitting_read_ahead(need, shard_read_ahead: int, cache_size: int) -> int:
     return low
 
 
+def _largest_fitting(fits, high: int) -> int:
+    """The largest ``k`` in ``1..high`` with ``fits(k)`` (``fits`` turns False once, as ``k`` grows), else 0."""
+    low = 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
 def _warn_shrunk(where: str, shard_read_ahead: int, fits: int, cache_size: int, what: str) -> None:
     logging.getLogger("fastio").warning(
         "%s: shard_read_ahead %d shrunk to %d: cache_size %s holds %s but not %s read ahead (raise "
@@ -58,74 +166,91 @@ def _warn_shrunk(where: str, shard_read_ahead: int, fits: int, cache_size: int, 
         human_bytes(cache_size), what, count(shard_read_ahead, "more shard"), fits)
 
 
-def check_working_set(shard_bytes: Sequence[int], shuffle: str, block_shards: int, shard_read_ahead: int,
-                      cache_size: int, url: str) -> int:
+def check_working_set(shards: Shards, reading: Reading, shard_read_ahead: int, cache_size: int, url: str) -> int:
     """The shard read-ahead the cache has room for: ``shard_read_ahead``, or fewer with one warning line when the
-    cache holds what the batches of ``shuffle`` read at once but not the read-ahead on top. A StorageError naming
+    cache holds what the batches of ``reading`` read at once but not the read-ahead on top. A StorageError naming
     ``cache_size``, the bytes needed and what would fit when it cannot hold even that."""
-    _refuse_unless_it_fits(shard_bytes, shuffle, block_shards, cache_size, url)
-    fits = _fitting_read_ahead(lambda r: working_set_bytes(shard_bytes, shuffle, block_shards, r), shard_read_ahead,
-                               cache_size)
+    _refuse_unless_it_fits(shards, reading, cache_size, url)
+    fits = _fitting_read_ahead(lambda r: shards.need(reading, r), shard_read_ahead, cache_size)
     if fits < shard_read_ahead:
-        what = human_bytes(working_set_bytes(shard_bytes, shuffle, block_shards, 0))
-        _warn_shrunk(url, shard_read_ahead, fits, cache_size, f"what shuffle={shuffle!r} reads at once ({what})")
+        what = human_bytes(shards.need(reading))
+        _warn_shrunk(url, shard_read_ahead, fits, cache_size, f"what shuffle={reading.shuffle!r} reads at once ({what})")
     return fits
 
 
-def _refuse_unless_it_fits(shard_bytes: Sequence[int], shuffle: str, block_shards: int, cache_size: int,
-                           url: str) -> None:
+def _what(shards: Shards, reading: Reading) -> str:
+    """What the batches of ``reading`` hold at once, in words."""
+    if reading.shuffle == "global":
+        return "every shard: a global shuffle draws each batch from the whole dataset"
+    k, b, t = reading.batches, reading.batch_size, shards.per_batch(reading)
+    batches = f"{k} {agree(k, 'batch', 'batches')} of {count(b, 'sample')} read at once"
+    if reading.shuffle == "block":
+        return (f"the largest shards of {batches}, each touching up to {count(t, 'shard')} of the windows of "
+                f"{reading.block_shards} it spans: a batch crossing into the next window holds shards of both")
+    return f"the shards of {batches}, each touching up to {t} consecutive {agree(t, 'shard')}"
+
+
+def _refuse_unless_it_fits(shards: Shards, reading: Reading, cache_size: int, url: str) -> None:
     """StorageError naming ``cache_size``, the bytes needed and what would fit, when the cache cannot hold the
-    shards the batches of ``shuffle`` read at once (no read-ahead)."""
-    need = working_set_bytes(shard_bytes, shuffle, block_shards, 0)
+    shards the batches of ``reading`` read at once (no read-ahead)."""
+    need = shards.need(reading)
     if need <= cache_size:
         return
-    what = {"global": "every shard: a global shuffle draws each batch from the whole dataset",
-            "block": f"two windows of the {block_shards} largest {agree(block_shards, 'shard')} (a batch crossing "
-                     "into the next window holds shards of both)",
-            "none": "the two largest shards (a batch crossing into the next)"}[shuffle]
-    # a size named is always enough for the mode it is named with
-    fits = _largest_block_shards(shard_bytes, cache_size)
-    smallest = human_bytes(_largest(shard_bytes, 2))  # block_shards=1, two windows
-    block = "shuffle='block' with " if shuffle == "global" else ""
-    if shuffle == "none" or (shuffle == "block" and block_shards == 1 and not fits):
-        hint = f"raise cache_size to at least {smallest}"
-    elif fits:
-        hint = f"use {block}block_shards <= {fits}, or raise cache_size to {human_bytes(need)}"
-    else:
-        hint = (f"raise cache_size to {human_bytes(need)}, or use {block}block_shards=1 with cache_size at least "
-                f"{smallest}")
     have, want = human_bytes(cache_size), human_bytes(need)
     if have == want:  # rounded alike: the bytes say which is larger
         have, want = count(cache_size, "byte"), count(need, "byte")
-        hint = hint.replace(human_bytes(need), want)
-    raise StorageError(f"{url}: cache_size {have} cannot hold what shuffle={shuffle!r} reads at once: {want} "
-                       f"({what}); {hint}", url=url)
+    raise StorageError(f"{url}: cache_size {have} cannot hold what shuffle={reading.shuffle!r} reads at once: {want} "
+                       f"({_what(shards, reading)}); {_hint(shards, reading, cache_size, need)}", url=url)
 
 
-def _largest_block_shards(shard_bytes: Sequence[int], cache_size: int) -> int:
-    """The largest ``block_shards`` whose two windows (no read-ahead) ``cache_size`` holds, 0 where not even one
-    shard a window fits: one sort, not one per candidate (quadratic at 10^5 shards)."""
-    top = np.cumsum(np.sort(np.asarray(shard_bytes, np.int64))[::-1])  # top[k - 1]: bytes of the k largest
-    k = int(np.searchsorted(top, cache_size, "right"))  # the most of the largest shards that fit together
-    return len(top) if k == len(top) else k // 2
+def _hint(shards: Shards, reading: Reading, cache_size: int, need: int) -> str:
+    """What to change: the ``block_shards`` (for ``block``, or ``block`` instead of ``global``) or the
+    ``reader_threads`` that fit this cache, else the smallest ``cache_size`` (each size named holds what it is
+    named for)."""
+    block = reading if reading.shuffle == "block" else dataclasses.replace(reading, shuffle="block")
+    fewer = "shuffle='block' with " if reading.shuffle == "global" else ""
+    options = []
+    if reading.shuffle != "none":
+        fits = _largest_fitting(lambda bs: shards.need(block, block_shards=bs) <= cache_size,
+                                max(shards.count, 1))
+        if fits:
+            options.append(f"use {fewer}block_shards <= {fits}")
+    if reading.shuffle != "global" and reading.batches > 1 and reading.threads_hint:
+        def threads_of(k: int) -> Reading:  # read with k reader threads
+            return dataclasses.replace(reading, batches=k, holders=min(reading.holders, k))
+
+        threads = _largest_fitting(lambda k: shards.need(threads_of(k)) <= cache_size, reading.batches - 1)
+        if threads:
+            options.append(f"reader_threads={threads}")
+    options.append(f"raise cache_size to at least {_at_least(need)}")
+    if reading.shuffle != "none" and not options[:-1]:
+        one = shards.need(block, block_shards=1)
+        if one < need:
+            options.append(f"use {fewer}block_shards=1 with cache_size at least {_at_least(one)}")
+    if not options[0].startswith(("use ", "raise ")):
+        options[0] = f"use {options[0]}"
+    return ", or ".join(options)
 
 
-def check_shared_working_set(sources: dict[str, Sequence[int]], shuffle: str, block_shards: int,
-                             shard_read_ahead: int, cache_size: int, where: str) -> int:
+def check_shared_working_set(sources: dict[str, Shards], readings: dict[str, Reading], shard_read_ahead: int,
+                             cache_size: int, where: str) -> int:
     """The shard read-ahead each of the sources of a mixture that read through one cache (``where``: its
-    directory) has room for: each reads its own working set at the same time (``sources``: name -> shard bytes).
-    Fewer than ``shard_read_ahead`` with one warning line; a StorageError when ``cache_size`` cannot hold the
-    sources' batches together even without read-ahead. Each one alone is checked by :func:`check_working_set`."""
+    directory) has room for: each reads its own working set at the same time (``sources``: name -> shards,
+    ``readings``: name -> how it is read). Fewer than ``shard_read_ahead`` with one warning line; a StorageError
+    when ``cache_size`` cannot hold the sources' batches together even without read-ahead. Each one alone is
+    checked by :func:`check_working_set`."""
     def need(r: int) -> int:
-        return sum(working_set_bytes(sizes, shuffle, block_shards, r) for sizes in sources.values())
+        return sum(shards.need(readings[name], r) for name, shards in sources.items())
 
+    shuffle = next(iter(readings.values())).shuffle
     if need(0) > cache_size:
-        each = {name: working_set_bytes(sizes, shuffle, block_shards, 0) for name, sizes in sources.items()}
+        each = {name: shards.need(readings[name]) for name, shards in sources.items()}
         parts = ", ".join(f"{name!r} {human_bytes(b)}" for name, b in each.items())
         raise StorageError(f"mixture sources {', '.join(map(repr, each))} read through one cache ({where}) at the "
                            f"same time: cache_size {human_bytes(cache_size)} cannot hold their working sets together "
-                           f"({parts}: {human_bytes(need(0))} for shuffle={shuffle!r}); raise cache_size, or read "
-                           "fewer shards at once (shuffle='block' with a smaller block_shards)", url=where)
+                           f"({parts}: {human_bytes(need(0))} for shuffle={shuffle!r}); raise cache_size to at least "
+                           f"{_at_least(need(0))}, or read fewer shards at once (shuffle='block' with a smaller "
+                           "block_shards, fewer reader_threads)", url=where)
     fits = _fitting_read_ahead(need, shard_read_ahead, cache_size)
     if fits < shard_read_ahead:
         _warn_shrunk(where, shard_read_ahead, fits, cache_size,
