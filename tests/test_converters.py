@@ -181,3 +181,20 @@ def test_corrupt_parquet(tmp_path):
     (tmp_path / "t.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(ConvertError, match=r"t.parquet: unreadable table"):
         converters.scan(tmp_path / "t.parquet")
+
+
+def test_files_fields_are_lowercased_suffixes_and_one_per_sample(tmp_path, image_folder):
+    """WebDataset reads `a.JPG` as field `jpg` and refuses a sample holding `a.JPG` and `a.jpg` (a field twice): the
+    loose files `a.JPG` and `a.jpg` were both packed into sample `a`, a shard webdataset could not read."""
+    src = tmp_path / "loose"
+    src.mkdir()
+    jpgs = sorted(image_folder.rglob("*.jpg"))
+    (src / "a.JPG").write_bytes(jpgs[0].read_bytes())
+    (src / "a.jpg").write_bytes(jpgs[1].read_bytes())
+    (src / "b.PNG.Json").write_text("{}")
+    result = converters.scan(src)
+    assert [(e.key, sorted(fields_of(e))) for e in result.entries] == [("a", ["jpg"]), ("b", ["png.json"])]
+    assert fields_of(result.entries[0])["jpg"].path == str(src / "a.JPG")
+    [skip] = result.skipped
+    assert (skip.path, skip.error) == ("a.jpg", True)
+    assert "field 'jpg' twice" in skip.reason and "a.JPG" in skip.reason
