@@ -348,3 +348,23 @@ def test_image_that_cannot_be_reencoded_is_skipped_not_fatal(tmp_path):
     assert len(ds) == 8
     assert [(s["path"], s["reason"][:29]) for s in ds.manifest.skipped] == [
         ("circle/cmyk.png", "cannot re-encode as PNG (cann")]
+
+
+def test_label_files_are_stored_as_ascii_decimal_text(tmp_path, image_folder):
+    """A `.cls` file Windows wrote (UTF-8 byte order mark, CRLF) was refused as `label '���2' is not an integer`, and
+    one with blanks (` 4 `, `+5`) was stored as it is: WebDataset's `int()` then fails on a BOM. Each is a label,
+    stored as its ASCII decimal text."""
+    import webdataset
+
+    src = tmp_path / "loose"
+    src.mkdir()
+    jpg = min(image_folder.rglob("*.jpg")).read_bytes()
+    for name, label in [("a", b"\xef\xbb\xbf2\r\n"), ("b", b" 4 \n"), ("c", b"+5"), ("d", b"\xef\xbb\xbfx")]:
+        (src / f"{name}.jpg").write_bytes(jpg)
+        (src / f"{name}.cls").write_bytes(label)
+    result = convert(ConvertConfig(source=src, dest=tmp_path / "ds", workers=1))
+    [skip] = result.skipped
+    assert skip["path"] == "d.cls" and skip["reason"] == "field 'cls': label 'x' is not an integer"
+    shards = [str(s) for s in sorted((tmp_path / "ds" / "shards").glob("*.tar"))]
+    assert {s["__key__"]: s["cls"] for s in webdataset.WebDataset(shards, shardshuffle=False)} == {
+        "a": b"2", "b": b"4", "c": b"5"}

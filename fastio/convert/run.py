@@ -55,7 +55,7 @@ from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError, StorageError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
-from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
+from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, label_bytes
 from fastio.formats.media import (
     DEFAULT_TRANSCODE,
     DEFAULT_VIDEO_DECODER,
@@ -397,7 +397,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
         original = value
         if name == label_field:
             try:
-                check_label(value)
+                value = label_bytes(value)  # a label file's " 4\r\n" or BOM: stored as "4", as WebDataset's int() reads
             except ValueError as err:
                 return None, f"field {name!r}: {err}", where
         if is_media_field(name):
