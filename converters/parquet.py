@@ -4,7 +4,8 @@ A bytes column (``binary``, ``large_binary``, or a struct with a ``bytes`` membe
 stores images) holding an encoded image, video or audio file holds a field named by each row's type
 (``jpg``, ``png``, ..., ``webm``, ``mp4``, ``flac``, ...: by magic number), probed as a file of that type: a
 column of WAV, FLAC, Opus and MP3 rows gives each its own field; a value of no known type takes the first known
-one's (so it is probed, and skipped, named, when it is not one), wherever it is in the column.
+one's (so it is probed, and skipped, named, when it is not one), wherever it is in the column; a null in it
+(an image missing) is a rejected row.
 Any other bytes column keeps its (sanitised) name. A path column is optional.
 Keys come from a ``key`` column, else from the ``path`` of such a struct, else from the row number.
 The bytes are read into memory at scan time.

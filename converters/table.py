@@ -247,6 +247,9 @@ def _row_sample(t: _Layout, row: Row, where: str) -> tuple[dict[str, FieldValue]
         fields[field], stem = ref, _key_text(origin)
     for col, field in t.bytes_columns.items():
         value = row.get(col)
+        if value is None and col in t.typed:  # an image (video, audio) missing: a sample the Loader would refuse
+            return Skip(where, f"column {col!r}: no value (null), where other rows hold an encoded file ({field})",
+                        error=True)
         if value is not None:
             _put(fields, (col in t.typed and sniff_field(value)) or field, bytes(value), where)
     for col, field in t.text_cols.items():

@@ -198,3 +198,25 @@ def test_files_fields_are_lowercased_suffixes_and_one_per_sample(tmp_path, image
     [skip] = result.skipped
     assert (skip.path, skip.error) == ("a.jpg", True)
     assert "field 'jpg' twice" in skip.reason and "a.JPG" in skip.reason
+
+
+def test_parquet_null_in_an_image_column_is_a_rejected_row(tmp_path, image_folder):
+    """A row whose image cell is null (a Hugging Face image struct that is null, or one whose `bytes` is) was packed as
+    a sample with a label and no image, which ImageTrain refuses on its batch; an empty cell (b"") was refused. A null
+    cell of a column of encoded files is refused the same way, naming the row and the column; in a column of other
+    bytes (a mask) a null is an absent field."""
+    files = sorted(image_folder.rglob("*.jpg"))[:4]
+    path = tmp_path / "hf.parquet"
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(pa.table({
+        "image": pa.array([{"bytes": files[0].read_bytes(), "path": "a.jpg"}, None,
+                           {"bytes": None, "path": "c.jpg"}, {"bytes": files[3].read_bytes(), "path": "d.jpg"}], struct),
+        "mask": pa.array([b"\x00", b"\x01", b"\x02", None], pa.binary()),
+        "label": [0, 1, 2, 3],
+    }), path)
+    result = converters.scan(path)
+    assert [(e.key, sorted(fields_of(e))) for e in result.entries] == [("00000000", ["cls", "jpg", "mask"]),
+                                                                      ("00000003", ["cls", "jpg"])]
+    assert [(s.path, s.reason, s.error) for s in result.skipped] == [
+        ("hf.parquet:2", "column 'image': no value (null), where other rows hold an encoded file (jpg)", True),
+        ("hf.parquet:3", "column 'image': no value (null), where other rows hold an encoded file (jpg)", True)]
