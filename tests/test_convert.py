@@ -368,3 +368,28 @@ def test_label_files_are_stored_as_ascii_decimal_text(tmp_path, image_folder):
     shards = [str(s) for s in sorted((tmp_path / "ds" / "shards").glob("*.tar"))]
     assert {s["__key__"]: s["cls"] for s in webdataset.WebDataset(shards, shardshuffle=False)} == {
         "a": b"2", "b": b"4", "c": b"5"}
+
+
+def test_a_split_of_a_killed_run_is_unfinished_and_not_offered_to_fastio_index(tmp_path, image_folder, capsys):
+    """A `--split` run killed while writing `train` leaves `DEST/train/shards/` with no manifest, its marker in DEST.
+    `fastio inspect DEST/train` (and the Loader) said `tar shards without a manifest.json ...: make it one with
+    fastio index DEST/train`, and that index made a dataset of part of the source. Now both name the unfinished
+    conversion, and the index refuses the folder."""
+    import shutil
+
+    from tests.helpers import run_cli
+
+    dest = tmp_path / "d"
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25", max_samples_per_shard=4))
+    clean = tree(dest)
+    for done in (dest / "splits.json", dest / "train" / MANIFEST_NAME, dest / "train" / "samples.fxi"):
+        done.unlink()  # what the kill left: train's shards so far, nothing of val
+    shutil.rmtree(dest / "val")
+    unfinished = f"{dest}: an unfinished fastio convert"
+    with pytest.raises(DatasetError, match=f"^{dest / 'train'}: a split of {unfinished}"):
+        Dataset(dest / "train")
+    code, out, err = run_cli(["index", str(dest / "train")], capsys)
+    assert (code, out) == (2, "") and f"a split of {unfinished}" in err and "fastio index" not in err
+    assert not (dest / "train" / MANIFEST_NAME).exists()
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25", max_samples_per_shard=4))
+    assert tree(dest) == clean

@@ -43,6 +43,7 @@ __all__ = [
     "Manifest",
     "rebuild_hint",
     "reindex_command",
+    "unfinished_run",
     "MARKER_NAME",
     "SHARDS_DIR",
     "SPLITS_FORMAT",
@@ -630,10 +631,9 @@ def not_a_dataset(dest: Path) -> DatasetError:
                             "or `fastio index`")
     if not dest.is_dir():
         return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory")
-    if (dest / MARKER_NAME).is_file():  # not fastio index's advice: the shards written so far are part of the source
-        what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
-        return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
-                            f"{MANIFEST_NAME}), not a dataset; run the same {what} again to finish it")
+    unfinished = unfinished_run(dest)
+    if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
+        return unfinished
     holds = _holds(dest)
     if "tar" in holds:
         return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
@@ -642,6 +642,23 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
                             "DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def unfinished_run(dest: Path) -> DatasetError | None:
+    """The error for a folder without a manifest that an unfinished run wrote (its shards are part of the source only):
+    DEST holding the run's marker, or a split folder (``DEST/train``) of a ``fastio convert`` whose DEST holds its
+    marker and neither a manifest nor a split list yet; None for any other folder."""
+    if (dest / MARKER_NAME).is_file():
+        what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
+        return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
+                            f"{MANIFEST_NAME}), not a dataset; run the same {what} again to finish it")
+    run = dest.parent
+    if ((run / MARKER_NAME).is_file() and _read_head(run / MARKER_NAME).startswith(b"fastio convert")
+            and not (run / MANIFEST_NAME).exists() and not (run / SPLITS_NAME).exists()):
+        return DatasetError(f"{dest}: a split of {run}: an unfinished fastio convert (killed or stopped: "
+                            f"{MARKER_NAME} without {SPLITS_NAME}), not a dataset; run the same fastio convert "
+                            "again to finish it")
+    return None
 
 
 def _shard_pattern(dest: Path) -> DatasetError | None:
