@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -224,10 +225,28 @@ def _row_file(t: _Layout, row: Row, where: str) -> tuple[str, FileRef, str] | Sk
     if outside is not None:
         return Skip(where, f"path column {t.path_col!r}: {value} {outside}", error=True)
     if not path.is_file():
-        raise ConvertError(f"{where}: path column {t.path_col!r} names a missing file: {value}")
+        raise ConvertError(f"{where}: path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path)}")
     field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
              or safe_field_name(path.suffix.lstrip(".") or "file"))
     return field, FileRef(str(path)), value
+
+
+def _no_file(path: Path) -> str:
+    """What a table's path names where it names no regular file."""
+    if path.is_dir():
+        return "names a folder, not a file"
+    return "names no regular file (a FIFO, socket or device)" if path.exists() else "names a missing file"
+
+
+def _other_form(path: Path) -> str:
+    """A hint where a file whose name differs from ``path``'s only in Unicode normalization is there (``café`` typed
+    as one code point, written by a Mac as ``e`` and a combining accent): the two look the same in a message."""
+    for form in ("NFC", "NFD"):
+        other = path.with_name(unicodedata.normalize(form, path.name))
+        if other.name != path.name and other.is_file():
+            return (f" (a file whose name differs only in Unicode normalization is there: {ascii(other.name)};"
+                    " rename one)")
+    return ""
 
 
 def _row_sample(t: _Layout, row: Row, where: str) -> tuple[dict[str, FieldValue], str, str | None] | Skip:

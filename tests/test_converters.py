@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -220,3 +221,22 @@ def test_parquet_null_in_an_image_column_is_a_rejected_row(tmp_path, image_folde
     assert [(s.path, s.reason, s.error) for s in result.skipped] == [
         ("hf.parquet:2", "column 'image': no value (null), where other rows hold an encoded file (jpg)", True),
         ("hf.parquet:3", "column 'image': no value (null), where other rows hold an encoded file (jpg)", True)]
+
+
+def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
+    """A path naming a folder or a FIFO was called `a missing file`, and so was `café.jpg` typed in a table (NFC) for
+    the file a Mac wrote (NFD: the same letters on screen). Each now says what is there."""
+    import unicodedata
+
+    (tmp_path / "sub").mkdir()
+    os.mkfifo(tmp_path / "pipe.jpg")
+    (tmp_path / unicodedata.normalize("NFD", "café.jpg")).write_bytes(b"x")
+    cases = {"sub": "t.csv:2: path column 'path' names a folder, not a file: sub",
+             "pipe.jpg": "t.csv:2: path column 'path' names no regular file (a FIFO, socket or device): pipe.jpg",
+             unicodedata.normalize("NFC", "café.jpg"): "t.csv:2: path column 'path' names a missing file: café.jpg "
+             "(a file whose name differs only in Unicode normalization is there: 'cafe\\u0301.jpg'; rename one)"}
+    for value, message in cases.items():
+        (tmp_path / "t.csv").write_text(f"path\n{value}\n")
+        with pytest.raises(ConvertError) as err:
+            converters.scan(tmp_path / "t.csv")
+        assert str(err.value) == message
