@@ -48,8 +48,8 @@ from fastio.convert.dest import (
     mark_index_dest,
     publish_uploads,
     refuse_a_datasets_shards,
-    refuse_a_split_of_an_unfinished_convert,
     refuse_a_foreign_manifest,
+    refuse_a_split_of_an_unfinished_convert,
     writer_lock,
 )
 from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
