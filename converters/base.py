@@ -142,7 +142,7 @@ def unique_key(text: str, taken: set[str]) -> str:
     """``sanitize_key(text)``, made unique against ``taken`` with a hash of ``text``; adds it to ``taken``."""
     key = sanitize_key(text)
     if key in taken:
-        key = f"{key[:63]}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        key = f"{key[:63]}_{hashlib.sha256(text.encode('utf-8', 'surrogateescape')).hexdigest()[:12]}"
         n = 1
         base = key
         while key in taken:
