@@ -11,7 +11,7 @@ from pathlib import Path
 from fastio.converters import files, imagefolder, parquet, table
 from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
 from fastio.errors import ConvertError
-from fastio.words import count
+from fastio.words import agree, count
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
            "refuse_table_options", "scan"]
@@ -31,6 +31,14 @@ def detect(source: Path) -> str:
             raise ConvertError(f"{source}: source directory is empty")
         if imagefolder.detect(source):
             return imagefolder.NAME
+        stray = imagefolder.strays(source)
+        if stray:
+            n = len(stray)
+            shown = ", ".join(stray[:3]) + (", ..." if n > 3 else "")
+            raise ConvertError(f"{source}: cannot tell the format: class folders of images, and {count(n, 'file')} "
+                               f"beside them ({shown}) that {agree(n, 'is', 'are')} an image, video or audio "
+                               f"{agree(n, 'file')}; give format='imagefolder' (the files beside the class folders are "
+                               "skipped and listed) or format='files'")
         if files.detect(source):
             return files.NAME
         raise ConvertError(f"{source}: cannot tell the format (no images in class folders, no loose files);"

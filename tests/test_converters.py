@@ -240,3 +240,25 @@ def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
         with pytest.raises(ConvertError) as err:
             converters.scan(tmp_path / "t.csv")
         assert str(err.value) == message
+
+
+def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):
+    """One `preview.jpg` beside the class folders made detection call the whole image folder loose files: every image
+    packed with no label, the classes gone, and nothing said. Detection now refuses to guess, naming the file and
+    both formats; either format given converts (the image folder lists the stray file as skipped)."""
+    import shutil
+
+    src = tmp_path / "stray"
+    shutil.copytree(image_folder, src)
+    shutil.copy(min(image_folder.rglob("*.jpg")), src / "preview.jpg")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(src)
+    assert str(err.value) == (f"{src}: cannot tell the format: class folders of images, and 1 file beside them "
+                              "(preview.jpg) that is an image, video or audio file; give format='imagefolder' (the "
+                              "files beside the class folders are skipped and listed) or format='files'")
+    as_folder = converters.scan(src, "imagefolder")
+    assert as_folder.label_map == converters.scan(image_folder).label_map
+    assert [(s.path, s.reason) for s in as_folder.skipped] == [("preview.jpg", "not inside a class folder")]
+    assert len(converters.scan(src, "files").entries) == len(as_folder.entries) + 1
+    (src / "preview.json").write_text("{}")  # loose files of WebDataset's kind: a sample of several files
+    assert converters.detect(src) == "files"
