@@ -41,7 +41,7 @@ from fastio.dataset.manifest import (
     SHARDS_DIR,
     SPLITS_NAME,
     fastio_json,
-    unfinished_run,
+    unfinished_split,
 )
 from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
@@ -263,8 +263,7 @@ def refuse_a_split_of_an_unfinished_convert(folder: Storage) -> None:
     unfinished ``fastio convert``: its shards are part of the source only, and the same convert redoes them."""
     if folder.remote:
         return
-    path = folder.location.path
-    err = unfinished_run(path) if not (path / MARKER_NAME).is_file() else None  # its own marker: fastio index's
+    err = unfinished_split(folder.location.path)
     if err is not None:
         raise err
 

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef
+from fastio.dataset.manifest import PARTS_DIR
 from fastio.dataset.shards import sample_span, starts_new_shard
 from fastio.errors import ConvertError
 from fastio.progress import count
@@ -53,7 +54,6 @@ __all__ = [
     "write_part_record",
 ]
 
-PARTS_DIR = ".parts"
 PART_RECORD = "part.json"
 PART_FORMAT = "fastio-part"
 PART_FORMAT_VERSION = 1
