@@ -227,8 +227,18 @@ def _row_file(t: _Layout, row: Row, where: str) -> tuple[str, FileRef, str] | Sk
     if not path.is_file():
         raise ConvertError(f"{where}: path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path)}")
     field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
-             or safe_field_name(path.suffix.lstrip(".") or "file"))
+             or (_sniffed(path) if not path.suffix else None) or safe_field_name(path.suffix.lstrip(".") or "file"))
     return field, FileRef(str(path)), value
+
+
+def _sniffed(path: Path) -> str | None:
+    """The field of a file named without a suffix (``imgs/0001``, a hash) by its first bytes' magic number (``jpg``,
+    ``png``, ``webm``, ...; :func:`sniff_field`), so an image is stored, and checked, as one; None if of no known type."""
+    try:
+        with open(path, "rb") as f:
+            return sniff_field(f.read(64))
+    except OSError:
+        return None  # unreadable: the worker that loads it names it
 
 
 def _no_file(path: Path) -> str:

@@ -262,3 +262,18 @@ def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_
     assert len(converters.scan(src, "files").entries) == len(as_folder.entries) + 1
     (src / "preview.json").write_text("{}")  # loose files of WebDataset's kind: a sample of several files
     assert converters.detect(src) == "files"
+
+
+def test_a_table_file_named_without_a_suffix_takes_the_field_of_its_type(tmp_path, image_folder):
+    """Images named by a hash or a number with no suffix (`imgs/0001`) were stored as field `file`: the dataset's
+    image field is `jpg`, so ImageTrain refused those samples on their batch, and convert never checked them. Such a
+    file takes the field of its type by magic number; one of no known type stays `file`."""
+    (tmp_path / "imgs").mkdir()
+    jpg = min(image_folder.rglob("*.jpg")).read_bytes()
+    (tmp_path / "imgs" / "0001").write_bytes(jpg)
+    (tmp_path / "imgs" / "0002.jpg").write_bytes(jpg)
+    (tmp_path / "imgs" / "0003").write_bytes(b"just some text")
+    (tmp_path / "t.csv").write_text("path,label\nimgs/0001,0\nimgs/0002.jpg,1\nimgs/0003,1\n")
+    result = converters.scan(tmp_path / "t.csv")
+    assert [(e.key, sorted(fields_of(e))) for e in result.entries] == [
+        ("imgs/0001", ["cls", "jpg"]), ("imgs/0002", ["cls", "jpg"]), ("imgs/0003", ["cls", "file"])]
