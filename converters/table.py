@@ -168,6 +168,8 @@ class _Layout:
     labels: bool
     rule: str | None
     label_map: dict[str, int] | None
+    left_out: list[str]
+    """Columns named as WebDataset names a sample's own keys (``__url__`` of a table read from shards): not stored."""
 
 
 def _layout(rows: list[tuple[int, Row]], columns: list[str], source: Path, options: ScanOptions, require_path: bool,
@@ -188,7 +190,8 @@ def _layout(rows: list[tuple[int, Row]], columns: list[str], source: Path, optio
     if label_col is not None and not labels and options.label_column is None:
         label_col = None  # a column named like a label column but empty throughout: an ordinary text column
     special = {path_col, label_col, key_col, *bytes_columns}
-    text_cols = {c: safe_field_name(c) for c in columns if c not in special}
+    left_out = [c for c in columns if c not in special and _webdatasets(safe_field_name(c))]
+    text_cols = {c: safe_field_name(c) for c in columns if c not in special and c not in left_out}
     label_map = rule = None
     if labels:
         try:
@@ -198,7 +201,13 @@ def _layout(rows: list[tuple[int, Row]], columns: list[str], source: Path, optio
         if rule == "names":
             label_map = {name: i for i, name in enumerate(sorted({label_name(v) for _, v in labels}))}
     return _Layout(source, root, path_col, label_col, key_col, bytes_columns, typed, text_cols, bool(labels), rule,
-                   label_map)
+                   label_map, left_out)
+
+
+def _webdatasets(field: str) -> bool:
+    """Whether ``field`` is a name WebDataset gives a sample's own keys (``__key__``, ``__url__``, ``__local_path__``,
+    ...): stored, it would be refused by WebDataset's reader as a field twice."""
+    return len(field) > 4 and field.startswith("__") and field.endswith("__")
 
 
 def _row_label(t: _Layout, row: Row, where: str) -> bytes | Skip:
@@ -321,6 +330,8 @@ def rows_to_result(
         entries.append(Entry(key=key, fields=tuple(sorted(fields.items())), origin=origin))
     options_desc = {k: v for k, v in (("path_column", t.path_col), ("label_column", t.label_col),
                                        ("key_column", t.key_col)) if v is not None}
+    if t.left_out:
+        options_desc["left_out_columns"] = t.left_out
     if options.labels != "auto":
         options_desc["labels"] = options.labels
     if options.root is not None:

@@ -277,3 +277,16 @@ def test_a_table_file_named_without_a_suffix_takes_the_field_of_its_type(tmp_pat
     result = converters.scan(tmp_path / "t.csv")
     assert [(e.key, sorted(fields_of(e))) for e in result.entries] == [
         ("imgs/0001", ["cls", "jpg"]), ("imgs/0002", ["cls", "jpg"]), ("imgs/0003", ["cls", "file"])]
+
+
+def test_webdatasets_own_sample_keys_are_not_stored_as_fields(tmp_path, image_folder):
+    """A table read from WebDataset shards (a Hugging Face dataset of them has `__key__` and `__url__` columns) put a
+    `__url__` field in every sample, and webdataset then refused every shard: `duplicate file name in tar file
+    __url__` (it sets `__url__` and `__local_path__` itself). Such columns, WebDataset's, are left out and named in
+    the source's options; `__key__` is still the key."""
+    (tmp_path / "x.jpg").write_bytes(min(image_folder.rglob("*.jpg")).read_bytes())
+    (tmp_path / "t.csv").write_text("path,label,__url__,__local_path__,__key__,note\nx.jpg,1,http://a,/p,k1,hi\n")
+    result = converters.scan(tmp_path / "t.csv")
+    [entry] = result.entries
+    assert entry.key == "k1" and sorted(fields_of(entry)) == ["cls", "jpg", "note"]
+    assert result.description["options"]["left_out_columns"] == ["__url__", "__local_path__"]
