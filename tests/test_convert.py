@@ -393,3 +393,15 @@ def test_a_split_of_a_killed_run_is_unfinished_and_not_offered_to_fastio_index(t
     assert not (dest / "train" / MANIFEST_NAME).exists()
     convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25", max_samples_per_shard=4))
     assert tree(dest) == clean
+
+
+def test_a_dest_that_is_a_dangling_symlink_is_named_as_one(tmp_path, image_folder):
+    """A DEST that is a link to a folder not made yet failed as `DEST: File exists` (mkdir's word), naming nothing of
+    the link. It now says where the link points."""
+    dest = tmp_path / "ds"
+    dest.symlink_to(tmp_path / "scratch" / "ds")
+    with pytest.raises(ConvertError) as err:
+        convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+    assert str(err.value) == (f"{dest}: a symlink to {tmp_path / 'scratch' / 'ds'}, which does not exist: make that "
+                              "folder, or give another DEST")
+    assert dest.is_symlink() and not (tmp_path / "scratch").exists()

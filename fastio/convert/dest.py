@@ -215,6 +215,9 @@ def lock_dest(lock: DirLock, dest: Path) -> None:
     except LockedError as err:
         raise ConvertError(str(err)) from None  # names DEST and the holder
     except OSError as err:  # DEST cannot be created
+        if dest.is_symlink() and not dest.exists():  # mkdir's word for it is "File exists"
+            raise ConvertError(f"{dest}: a symlink to {os.readlink(dest)}, which does not exist: make that folder, or "
+                               "give another DEST") from None
         raise ConvertError(f"{err.filename or dest}: {err.strerror or err}") from None
 
 
