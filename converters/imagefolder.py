@@ -95,6 +95,9 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
             fields=((field, FileRef(str(path))), ("cls", str(label_map[name]).encode())),
             origin=relpath,
         ))
+    held = {e.origin.split("/", 1)[0] for e in entries}
+    skipped += [Skip(name, f"a class folder with no image, video or audio file: label {label} has no samples")
+                for name, label in label_map.items() if name not in held]
     skipped.sort(key=lambda s: s.path)
     return ScanResult(
         entries=entries,

@@ -290,3 +290,18 @@ def test_webdatasets_own_sample_keys_are_not_stored_as_fields(tmp_path, image_fo
     [entry] = result.entries
     assert entry.key == "k1" and sorted(fields_of(entry)) == ["cls", "jpg", "note"]
     assert result.description["options"]["left_out_columns"] == ["__url__", "__local_path__"]
+
+
+def test_a_class_folder_without_samples_is_listed_with_its_label(image_folder):
+    """An empty class folder, or one holding only hidden files (`__MACOSX/` of a zip made on a Mac, its `._x.jpg`),
+    took a label and shifted every later class's, and nothing said so (torchvision's ImageFolder refuses such a
+    folder). Its label stays (the rule is the index in sorted class names), and the folder is listed as skipped,
+    naming the label that has no samples."""
+    (image_folder / "empty").mkdir()
+    (image_folder / "__MACOSX").mkdir()
+    (image_folder / "__MACOSX" / "._circle_0000.jpg").write_bytes(b"\0\5\x16\7")
+    result = converters.scan(image_folder)
+    assert result.label_map == {"__MACOSX": 0, "circle": 1, "empty": 2, "hstripes": 3, "square": 4, "vstripes": 5}
+    listed = [(s.path, s.reason, s.error) for s in result.skipped]
+    assert ("__MACOSX", "a class folder with no image, video or audio file: label 0 has no samples", False) in listed
+    assert ("empty", "a class folder with no image, video or audio file: label 2 has no samples", False) in listed
