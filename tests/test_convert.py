@@ -405,3 +405,20 @@ def test_a_dest_that_is_a_dangling_symlink_is_named_as_one(tmp_path, image_folde
     assert str(err.value) == (f"{dest}: a symlink to {tmp_path / 'scratch' / 'ds'}, which does not exist: make that "
                               "folder, or give another DEST")
     assert dest.is_symlink() and not (tmp_path / "scratch").exists()
+
+
+def test_a_file_name_with_a_newline_stays_on_its_line(tmp_path, image_folder, capsys):
+    """A file named `evil\\nfastio: error: fake.jpg` printed its name as it is: the summary's skipped line, and the one
+    line of a run that stops on it, broke in two, the second one reading as another error of fastio's. Names are
+    printed with their control characters escaped."""
+    from tests.helpers import run_cli
+
+    (image_folder / "circle" / "evil\nfastio: error: fake.jpg").write_bytes(b"not an image")
+    (image_folder / "circle" / "tab\tand\rreturn.jpg").write_bytes(b"not an image")
+    code, out, err = run_cli(["convert", str(image_folder), str(tmp_path / "ds")], capsys)
+    assert code == 0, err
+    assert not any(line.startswith("fastio: error") for line in (out + err).splitlines())
+    assert "circle/evil\\nfastio: error: fake.jpg" in out + err
+    assert "circle/tab\tand\\rreturn.jpg" in out + err
+    code, out, err = run_cli(["convert", str(image_folder), str(tmp_path / "ds2"), "--on-error", "fail"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "circle/evil\\nfastio: error: fake.jpg" in err

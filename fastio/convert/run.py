@@ -73,6 +73,7 @@ from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines, trained_line
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.url import dest_location, local_or_url
+from fastio.words import one_line
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -343,8 +344,8 @@ def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
     if not renamed:
         return ""
     origin, key, first = renamed[0]
-    return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {origin} is key {key!r}, as {first} "
-            f"has the key it would have had)")
+    return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {one_line(origin)} is key {key!r}, as "
+            f"{one_line(first)} has the key it would have had)")
 
 
 _TRANSCODED_INTO = {"flac": ("audio file", "DALI's audio decoder does not read into FLAC", "flac"),
