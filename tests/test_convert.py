@@ -420,5 +420,7 @@ def test_a_file_name_with_a_newline_stays_on_its_line(tmp_path, image_folder, ca
     assert not any(line.startswith("fastio: error") for line in (out + err).splitlines())
     assert "circle/evil\\nfastio: error: fake.jpg" in out + err
     assert "circle/tab\tand\\rreturn.jpg" in out + err
+    code, out, err = run_cli(["inspect", str(tmp_path / "ds"), "--skipped"], capsys)
+    assert code == 0 and len(out.splitlines()) == 2 and "circle/evil\\nfastio: error: fake.jpg: not a" in out
     code, out, err = run_cli(["convert", str(image_folder), str(tmp_path / "ds2"), "--on-error", "fail"], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "circle/evil\\nfastio: error: fake.jpg" in err
