@@ -149,8 +149,29 @@ def _pick(source: Path, columns: list[str], given: str | None, candidates: Itera
     return None
 
 
-def _text(value: Any) -> bytes:
-    return (value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode()
+def _text(value: Any, where: str, col: str) -> bytes:
+    """A text column's cell as stored: the text, else its JSON (a timestamp's or decimal's text inside it); a
+    ConvertError naming the row and column for bytes inside a list or struct, which JSON cannot hold."""
+    if isinstance(value, str):
+        return value.encode()
+    if not isinstance(value, (dict, list, tuple, int, float, bytes, bytearray, memoryview)):  # a timestamp, a decimal
+        return str(value).encode()
+    try:
+        return json.dumps(value, sort_keys=True, default=_json_text).encode()
+    except _BytesInside:
+        raise ConvertError(f"{where}: column {col!r} holds bytes inside a list or struct (a list of images?), which "
+                           "is stored only as a column of bytes of its own; give each image a column") from None
+
+
+class _BytesInside(Exception):
+    pass
+
+
+def _json_text(value: Any) -> str:
+    """What JSON holds of a value it has no type for: a timestamp's or decimal's text; bytes: :class:`_BytesInside`."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise _BytesInside
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -293,7 +314,7 @@ def _row_sample(t: _Layout, row: Row, where: str) -> tuple[dict[str, FieldValue]
     for col, field in t.text_cols.items():
         value = row.get(col)
         if value is not None:
-            _put(fields, field, _text(value), where)
+            _put(fields, field, _text(value, where, col), where)
     if not fields:
         raise ConvertError(f"{where}: row has no values")
     return fields, origin, stem

@@ -305,3 +305,27 @@ def test_a_class_folder_without_samples_is_listed_with_its_label(image_folder):
     listed = [(s.path, s.reason, s.error) for s in result.skipped]
     assert ("__MACOSX", "a class folder with no image, video or audio file: label 0 has no samples", False) in listed
     assert ("empty", "a class folder with no image, video or audio file: label 2 has no samples", False) in listed
+
+
+def test_parquet_cells_json_cannot_hold_are_named_or_stored_as_text(tmp_path, image_folder):
+    """A column of lists of images (Hugging Face's `Sequence(Image())`, as vision-language datasets hold them), or a
+    struct holding bytes, raised a raw `TypeError: Object of type bytes is not JSON serializable`; so did a timestamp
+    or a decimal column. Bytes inside a list or struct are refused in one line naming the row and column; a
+    timestamp or decimal is stored as its text."""
+    import datetime
+    import decimal
+
+    jpg = min(image_folder.rglob("*.jpg")).read_bytes()
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    path = tmp_path / "vlm.parquet"
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": jpg, "path": "a.jpg"}]], pa.list_(struct)),
+                             "label": [0]}), path)
+    with pytest.raises(ConvertError) as err:
+        converters.scan(path)
+    assert str(err.value) == ("vlm.parquet:1: column 'images' holds bytes inside a list or struct (a list of images?), "
+                              "which is stored only as a column of bytes of its own; give each image a column")
+    path = tmp_path / "typed.parquet"
+    pq.write_table(pa.table({"image": [jpg], "ts": pa.array([datetime.datetime(2024, 5, 1, 12)], pa.timestamp("s")),
+                             "price": pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2)), "label": [0]}), path)
+    [entry] = converters.scan(path).entries
+    assert fields_of(entry)["ts"] == b"2024-05-01 12:00:00" and fields_of(entry)["price"] == b"1.50"
