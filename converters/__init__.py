@@ -29,7 +29,13 @@ def detect(source: Path) -> str:
     if source.is_dir():
         if not any(not p.name.startswith(".") for p in source.iterdir()):
             raise ConvertError(f"{source}: source directory is empty")
+        tables = [p.name for p in sorted(source.iterdir())
+                  if not p.name.startswith(".") and (table.detect(p) or parquet.detect(p))]
         if imagefolder.detect(source):
+            if tables:
+                raise ConvertError(f"{source}: cannot tell the format: class folders of images, and a table beside "
+                                   f"them ({', '.join(tables[:3])}): give the table as SOURCE ({source / tables[0]}) "
+                                   "to convert its rows, or format='imagefolder' to label images by their folder")
             return imagefolder.NAME
         stray = imagefolder.strays(source)
         if stray:
@@ -39,6 +45,10 @@ def detect(source: Path) -> str:
                                f"beside them ({shown}) that {agree(n, 'is', 'are')} an image, video or audio "
                                f"{agree(n, 'file')}; give format='imagefolder' (the files beside the class folders are "
                                "skipped and listed) or format='files'")
+        if tables and files.detect(source):
+            raise ConvertError(f"{source}: a folder of tables ({', '.join(tables[:3])}{', ...' if len(tables) > 3 else ''}"
+                               "): give one as SOURCE (a conversion reads one table), or format='files' to pack the "
+                               "files as they are")
         if files.detect(source):
             return files.NAME
         raise ConvertError(f"{source}: cannot tell the format (no images in class folders, no loose files);"

@@ -329,3 +329,30 @@ def test_parquet_cells_json_cannot_hold_are_named_or_stored_as_text(tmp_path, im
                              "price": pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2)), "label": [0]}), path)
     [entry] = converters.scan(path).entries
     assert fields_of(entry)["ts"] == b"2024-05-01 12:00:00" and fields_of(entry)["price"] == b"1.50"
+
+
+def test_a_folder_holding_a_table_is_not_guessed_away(tmp_path, image_folder):
+    """A folder of Parquet shards (a Hugging Face dataset's `train-00000-of-00002.parquet`) was detected as loose files,
+    each table packed whole as one sample; a `labels.csv` beside folders of images was skipped and the folders taken
+    as classes. Detection now refuses both, naming the table and what to give instead."""
+    import shutil
+
+    shards = tmp_path / "hf"
+    shards.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"img": [b"x"], "label": [i]}), shards / f"train-0000{i}-of-00002.parquet")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(shards)
+    assert str(err.value) == (f"{shards}: a folder of tables (train-00000-of-00002.parquet, "
+                              "train-00001-of-00002.parquet): give one as SOURCE (a conversion reads one table), or "
+                              "format='files' to pack the files as they are")
+    assert len(converters.scan(shards, "files").entries) == 2
+    labelled = tmp_path / "labelled"
+    shutil.copytree(image_folder, labelled)
+    (labelled / "labels.csv").write_text("path,label\ncircle/circle_0000.jpg,1\n")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(labelled)
+    assert str(err.value) == (f"{labelled}: cannot tell the format: class folders of images, and a table beside them "
+                              f"(labels.csv): give the table as SOURCE ({labelled / 'labels.csv'}) to convert its "
+                              "rows, or format='imagefolder' to label images by their folder")
+    assert converters.scan(labelled, "imagefolder").label_map == converters.scan(image_folder).label_map
