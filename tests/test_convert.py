@@ -382,10 +382,15 @@ def test_a_split_of_a_killed_run_is_unfinished_and_not_offered_to_fastio_index(t
     dest = tmp_path / "d"
     convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25", max_samples_per_shard=4))
     clean = tree(dest)
+    shutil.copytree(dest / "val", tmp_path / "keep_val")
     for done in (dest / "splits.json", dest / "train" / MANIFEST_NAME, dest / "train" / "samples.fxi"):
         done.unlink()  # what the kill left: train's shards so far, nothing of val
     shutil.rmtree(dest / "val")
     unfinished = f"{dest}: an unfinished fastio convert"
+    with pytest.raises(DatasetError, match=f"^{dest / 'val'}: a split of {unfinished}"):
+        shutil.copytree(tmp_path / "keep_val", dest / "val")  # a run killed after val was written: val is whole ...
+        Dataset(dest / "val")  # ... but not yet the run's output: it says so, as DEST does
+    shutil.rmtree(dest / "val")
     with pytest.raises(DatasetError, match=f"^{dest / 'train'}: a split of {unfinished}"):
         Dataset(dest / "train")
     code, out, err = run_cli(["index", str(dest / "train")], capsys)

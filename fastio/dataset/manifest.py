@@ -740,6 +740,9 @@ def load_manifest(dest: Path) -> Manifest:
     path = Path(dest) / MANIFEST_NAME
     if not path.is_file():
         raise not_a_dataset(Path(dest))
+    unfinished = unfinished_split(Path(dest))  # a split written before its run was killed: the run is not done
+    if unfinished is not None:
+        raise unfinished
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:
