@@ -220,7 +220,8 @@ def test_parquet_null_in_an_image_column_is_a_rejected_row(tmp_path, image_folde
                                                                       ("00000003", ["cls", "jpg"])]
     assert [(s.path, s.reason, s.error) for s in result.skipped] == [
         ("hf.parquet:2", "column 'image': no value (null), where other rows hold an encoded file (jpg)", True),
-        ("hf.parquet:3", "column 'image': no value (null), where other rows hold an encoded file (jpg)", True)]
+        ("hf.parquet:3", "column 'image': an image by path only ('c.jpg'), its bytes not in the table: fastio reads "
+                         "the images a Parquet holds, not files it names; embed them, or convert a CSV of the paths", True)]
 
 
 def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
@@ -356,3 +357,19 @@ def test_a_folder_holding_a_table_is_not_guessed_away(tmp_path, image_folder):
                               f"(labels.csv): give the table as SOURCE ({labelled / 'labels.csv'}) to convert its "
                               "rows, or format='imagefolder' to label images by their folder")
     assert converters.scan(labelled, "imagefolder").label_map == converters.scan(image_folder).label_map
+
+
+def test_parquet_images_stored_by_path_only_are_refused_naming_the_path(tmp_path, image_folder):
+    """A Parquet whose image structs hold a path and no bytes (datasets' `to_parquet` of images loaded from files)
+    made samples with a label and no image, silently when no row had bytes. Each such row is refused, naming the path
+    and why: fastio reads the images a Parquet holds, not files it names."""
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    path = tmp_path / "by_path.parquet"
+    pq.write_table(pa.table({"image": pa.array([{"bytes": None, "path": "/data/a.jpg"}] * 2, struct),
+                             "label": [0, 1]}), path)
+    with pytest.raises(ConvertError) as err:
+        converters.scan(path)
+    assert str(err.value) == (f"{path}: no samples found as parquet (2 files left out, e.g. by_path.parquet:1: column "
+                              "'image': an image by path only ('/data/a.jpg'), its bytes not in the table: fastio "
+                              "reads the images a Parquet holds, not files it names; embed them, or convert a CSV of "
+                              "the paths)")
