@@ -11,7 +11,7 @@ from pathlib import Path
 from fastio.converters import files, imagefolder, parquet, table
 from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
 from fastio.errors import ConvertError
-from fastio.words import count
+from fastio.words import agree, count
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
            "refuse_table_options", "scan"]
@@ -29,8 +29,26 @@ def detect(source: Path) -> str:
     if source.is_dir():
         if not any(not p.name.startswith(".") for p in source.iterdir()):
             raise ConvertError(f"{source}: source directory is empty")
+        tables = [p.name for p in sorted(source.iterdir())
+                  if not p.name.startswith(".") and (table.detect(p) or parquet.detect(p))]
         if imagefolder.detect(source):
+            if tables:
+                raise ConvertError(f"{source}: cannot tell the format: class folders of images, and a table beside "
+                                   f"them ({', '.join(tables[:3])}): give the table as SOURCE ({source / tables[0]}) "
+                                   "to convert its rows, or format='imagefolder' to label images by their folder")
             return imagefolder.NAME
+        stray = imagefolder.strays(source)
+        if stray:
+            n = len(stray)
+            shown = ", ".join(stray[:3]) + (", ..." if n > 3 else "")
+            raise ConvertError(f"{source}: cannot tell the format: class folders of images, and {count(n, 'file')} "
+                               f"beside them ({shown}) that {agree(n, 'is', 'are')} an image, video or audio "
+                               f"{agree(n, 'file')}; give format='imagefolder' (the files beside the class folders are "
+                               "skipped and listed) or format='files'")
+        if tables and files.detect(source):
+            raise ConvertError(f"{source}: a folder of tables ({', '.join(tables[:3])}{', ...' if len(tables) > 3 else ''}"
+                               "): give one as SOURCE (a conversion reads one table), or format='files' to pack the "
+                               "files as they are")
         if files.detect(source):
             return files.NAME
         raise ConvertError(f"{source}: cannot tell the format (no images in class folders, no loose files);"

@@ -2,8 +2,8 @@
 
 A converter turns a source into :class:`Entry` records. A field value is the bytes themselves (table text,
 parquet cells), a :class:`FileRef` naming a file, or a :class:`UrlRef` naming an object (an image-text line's
-image at an ``s3://`` URL), which the conversion's worker processes read. Converters never read image files,
-write tars, hash or know shard sizes.
+image at an ``s3://`` URL), which the conversion's worker processes read. Converters never read image files (but
+the first bytes of a table's file named without a suffix, to name its field), write tars, hash or know shard sizes.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def unique_key(text: str, taken: set[str]) -> str:
     """``sanitize_key(text)``, made unique against ``taken`` with a hash of ``text``; adds it to ``taken``."""
     key = sanitize_key(text)
     if key in taken:
-        key = f"{key[:63]}_{hashlib.sha256(text.encode()).hexdigest()[:12]}"
+        key = f"{key[:63]}_{hashlib.sha256(text.encode('utf-8', 'surrogateescape')).hexdigest()[:12]}"
         n = 1
         base = key
         while key in taken:

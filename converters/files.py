@@ -1,7 +1,8 @@
 """Loose files grouped into samples by basename, as WebDataset groups tar members.
 
 ``dir/a.jpg``, ``dir/a.json``, ``dir/a.cls`` -> sample ``dir/a`` with fields ``jpg``, ``json``,
-``cls``: the key is the path up to the first dot of the file name, the field is the rest. When some samples
+``cls``: the key is the path up to the first dot of the file name, the field is the rest, lowercased as WebDataset
+reads it (``a.JPG`` is field ``jpg``; a second file of the same field, ``a.jpg`` beside it, is refused). When some samples
 have a ``cls`` label, a sample without one is skipped and listed. Folders are walked under the symlink
 policy of :func:`~fastio.converters.base.walk_files`.
 """
@@ -21,7 +22,7 @@ from fastio.converters.base import (
     rel,
     walk_files,
 )
-from fastio.formats.wds import is_field_name, split_member_name
+from fastio.formats.wds import field_of, is_field_name, split_member_name
 
 __all__ = ["NAME", "detect", "scan"]
 
@@ -43,7 +44,14 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         if not is_field_name(ext):
             skipped.append(Skip(relpath, f"no usable extension to name a field ({ext!r})"))
             continue
-        groups.setdefault(stem, {})[ext] = path  # one file per (stem, ext): no duplicates possible
+        fields = groups.setdefault(stem, {})
+        field = field_of(ext)
+        if field in fields:  # a.JPG and a.jpg: webdataset refuses a sample holding a field twice
+            skipped.append(Skip(relpath, f"field {field!r} twice: {rel(fields[field], source)} is that field of "
+                                f"sample {stem!r} (fields are suffixes lowercased, as WebDataset reads them)",
+                                error=True))
+            continue
+        fields[field] = path
     entries: list[Entry] = []
     keys = Keys()
     has_cls = any("cls" in fields for fields in groups.values())

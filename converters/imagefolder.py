@@ -27,7 +27,7 @@ from fastio.converters.base import (
 )
 from fastio.formats.media import media_field_for_suffix
 
-__all__ = ["NAME", "detect", "scan"]
+__all__ = ["NAME", "detect", "scan", "strays"]
 
 NAME = "imagefolder"
 
@@ -54,6 +54,23 @@ def detect(source: Path) -> bool:
     return False
 
 
+def strays(source: Path) -> list[str]:
+    """The images (videos, audio files) beside class folders of images, none of them grouped with another file of its
+    name as loose files are (``a.jpg`` with ``a.json``): what makes ``source`` an image folder with stray files or
+    loose files alike (``[]`` when it is neither; :func:`fastio.converters.detect` then refuses to guess)."""
+    if not source.is_dir():
+        return []
+    top = sorted(p for p in source.iterdir() if not p.name.startswith("."))
+    files = [p for p in top if p.is_file()]
+    media = [p for p in files if _field(p.suffix)]
+    stems = [p.name.split(".", 1)[0] for p in files]
+    if not media or any(stems.count(p.name.split(".", 1)[0]) > 1 for p in media):
+        return []
+    if not any(path.is_file() and _field(path.suffix) for d in top if d.is_dir() for path in d.rglob("*")):
+        return []
+    return [p.name for p in media]
+
+
 def scan(source: Path, options: ScanOptions) -> ScanResult:
     source = Path(source)
     files, skipped = walk_files(source)
@@ -78,6 +95,9 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
             fields=((field, FileRef(str(path))), ("cls", str(label_map[name]).encode())),
             origin=relpath,
         ))
+    held = {e.origin.split("/", 1)[0] for e in entries}
+    skipped += [Skip(name, f"a class folder with no image, video or audio file: label {label} has no samples")
+                for name, label in label_map.items() if name not in held]
     skipped.sort(key=lambda s: s.path)
     return ScanResult(
         entries=entries,

@@ -4,7 +4,8 @@ A bytes column (``binary``, ``large_binary``, or a struct with a ``bytes`` membe
 stores images) holding an encoded image, video or audio file holds a field named by each row's type
 (``jpg``, ``png``, ..., ``webm``, ``mp4``, ``flac``, ...: by magic number), probed as a file of that type: a
 column of WAV, FLAC, Opus and MP3 rows gives each its own field; a value of no known type takes the first known
-one's (so it is probed, and skipped, named, when it is not one), wherever it is in the column.
+one's (so it is probed, and skipped, named, when it is not one), wherever it is in the column; a null in it
+(an image missing) is a rejected row.
 Any other bytes column keeps its (sanitised) name. A path column is optional.
 Keys come from a ``key`` column, else from the ``path`` of such a struct, else from the row number.
 The bytes are read into memory at scan time.
@@ -15,7 +16,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from fastio.converters.base import ScanOptions, ScanResult, safe_field_name, sniff_field
+from fastio.converters.base import ScanOptions, ScanResult, Skip, main_image_field, safe_field_name, sniff_field
 from fastio.converters.table import rows_to_result
 from fastio.errors import ConvertError
 
@@ -32,6 +33,15 @@ def _bytes_of(value: Any) -> bytes | None:
     if isinstance(value, dict):
         value = value.get("bytes")
     return bytes(value) if isinstance(value, (bytes, bytearray, memoryview)) else None
+
+
+def _by_path(col: str, value: Any) -> str | None:
+    """Why a cell of a bytes column is refused when it is an image struct with a path and no bytes (a Hugging Face
+    ``Image`` stored by path, as ``to_parquet`` of images loaded from files writes it); None for any other cell."""
+    if not (isinstance(value, dict) and value.get("bytes") is None and isinstance(value.get("path"), str)):
+        return None
+    return (f"column {col!r}: an image by path only ({value['path']!r}), its bytes not in the table: fastio reads the "
+            "images a Parquet holds, not files it names; embed them, or convert a CSV of the paths")
 
 
 def _struct_paths(data: list[dict[str, Any]], bytes_columns: dict[str, str]) -> list[str] | None:
@@ -79,6 +89,8 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         if name in bytes_columns.values():
             raise ConvertError(f"{source}: bytes columns collide on field name {name!r}")
         bytes_columns[col] = name
+    by_path = [Skip(f"{source.name}:{i}", _by_path(col, row[col]), error=True) for i, row in enumerate(data, start=1)
+               for col in bytes_columns if _by_path(col, row[col])]
     rows = [(i, {c: (_bytes_of(v) if c in bytes_columns else v) for c, v in row.items()})
             for i, row in enumerate(data, start=1)]
     named = _struct_paths(data, bytes_columns)
@@ -88,6 +100,11 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         columns = [*columns, "__key__"]
     result = rows_to_result(rows, columns, source=source, fmt=NAME, options=options, require_path=False,
                             bytes_columns=bytes_columns, typed=typed)
+    refused = {skip.path for skip in by_path}  # rows kept their numbers (keys): their entries and skips go now
+    result.entries = [e for e in result.entries if e.origin not in refused]
+    result.image_field = main_image_field(result.entries)
+    result.skipped = sorted(by_path + [s for s in result.skipped if s.path not in refused],
+                            key=lambda skip: int(skip.path.rsplit(":", 1)[1]))
     # the field of each bytes column; of one holding several types, their list
     result.description["options"]["bytes_columns"] = {
         col: typed[col] if len(typed.get(col, ())) > 1 else name for col, name in sorted(bytes_columns.items())}

@@ -19,6 +19,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,8 +149,29 @@ def _pick(source: Path, columns: list[str], given: str | None, candidates: Itera
     return None
 
 
-def _text(value: Any) -> bytes:
-    return (value if isinstance(value, str) else json.dumps(value, sort_keys=True)).encode()
+def _text(value: Any, where: str, col: str) -> bytes:
+    """A text column's cell as stored: the text, else its JSON (a timestamp's or decimal's text inside it); a
+    ConvertError naming the row and column for bytes inside a list or struct, which JSON cannot hold."""
+    if isinstance(value, str):
+        return value.encode()
+    if not isinstance(value, (dict, list, tuple, int, float, bytes, bytearray, memoryview)):  # a timestamp, a decimal
+        return str(value).encode()
+    try:
+        return json.dumps(value, sort_keys=True, default=_json_text).encode()
+    except _BytesInside:
+        raise ConvertError(f"{where}: column {col!r} holds bytes inside a list or struct (a list of images?), which "
+                           "is stored only as a column of bytes of its own; give each image a column") from None
+
+
+class _BytesInside(Exception):
+    pass
+
+
+def _json_text(value: Any) -> str:
+    """What JSON holds of a value it has no type for: a timestamp's or decimal's text; bytes: :class:`_BytesInside`."""
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raise _BytesInside
+    return str(value)
 
 
 @dataclass(frozen=True)
@@ -167,6 +189,8 @@ class _Layout:
     labels: bool
     rule: str | None
     label_map: dict[str, int] | None
+    left_out: list[str]
+    """Columns named as WebDataset names a sample's own keys (``__url__`` of a table read from shards): not stored."""
 
 
 def _layout(rows: list[tuple[int, Row]], columns: list[str], source: Path, options: ScanOptions, require_path: bool,
@@ -187,7 +211,8 @@ def _layout(rows: list[tuple[int, Row]], columns: list[str], source: Path, optio
     if label_col is not None and not labels and options.label_column is None:
         label_col = None  # a column named like a label column but empty throughout: an ordinary text column
     special = {path_col, label_col, key_col, *bytes_columns}
-    text_cols = {c: safe_field_name(c) for c in columns if c not in special}
+    left_out = [c for c in columns if c not in special and _webdatasets(safe_field_name(c))]
+    text_cols = {c: safe_field_name(c) for c in columns if c not in special and c not in left_out}
     label_map = rule = None
     if labels:
         try:
@@ -197,7 +222,13 @@ def _layout(rows: list[tuple[int, Row]], columns: list[str], source: Path, optio
         if rule == "names":
             label_map = {name: i for i, name in enumerate(sorted({label_name(v) for _, v in labels}))}
     return _Layout(source, root, path_col, label_col, key_col, bytes_columns, typed, text_cols, bool(labels), rule,
-                   label_map)
+                   label_map, left_out)
+
+
+def _webdatasets(field: str) -> bool:
+    """Whether ``field`` is a name WebDataset gives a sample's own keys (``__key__``, ``__url__``, ``__local_path__``,
+    ...): stored, it would be refused by WebDataset's reader as a field twice."""
+    return len(field) > 4 and field.startswith("__") and field.endswith("__")
 
 
 def _row_label(t: _Layout, row: Row, where: str) -> bytes | Skip:
@@ -224,10 +255,38 @@ def _row_file(t: _Layout, row: Row, where: str) -> tuple[str, FileRef, str] | Sk
     if outside is not None:
         return Skip(where, f"path column {t.path_col!r}: {value} {outside}", error=True)
     if not path.is_file():
-        raise ConvertError(f"{where}: path column {t.path_col!r} names a missing file: {value}")
+        raise ConvertError(f"{where}: path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path)}")
     field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
-             or safe_field_name(path.suffix.lstrip(".") or "file"))
+             or (_sniffed(path) if not path.suffix else None) or safe_field_name(path.suffix.lstrip(".") or "file"))
     return field, FileRef(str(path)), value
+
+
+def _sniffed(path: Path) -> str | None:
+    """The field of a file named without a suffix (``imgs/0001``, a hash) by its first bytes' magic number (``jpg``,
+    ``png``, ``webm``, ...; :func:`sniff_field`), so an image is stored, and checked, as one; None if of no known type."""
+    try:
+        with open(path, "rb") as f:
+            return sniff_field(f.read(64))
+    except OSError:
+        return None  # unreadable: the worker that loads it names it
+
+
+def _no_file(path: Path) -> str:
+    """What a table's path names where it names no regular file."""
+    if path.is_dir():
+        return "names a folder, not a file"
+    return "names no regular file (a FIFO, socket or device)" if path.exists() else "names a missing file"
+
+
+def _other_form(path: Path) -> str:
+    """A hint where a file whose name differs from ``path``'s only in Unicode normalization is there (``café`` typed
+    as one code point, written by a Mac as ``e`` and a combining accent): the two look the same in a message."""
+    for form in ("NFC", "NFD"):
+        other = path.with_name(unicodedata.normalize(form, path.name))
+        if other.name != path.name and other.is_file():
+            return (f" (a file whose name differs only in Unicode normalization is there: {ascii(other.name)};"
+                    " rename one)")
+    return ""
 
 
 def _row_sample(t: _Layout, row: Row, where: str) -> tuple[dict[str, FieldValue], str, str | None] | Skip:
@@ -247,12 +306,15 @@ def _row_sample(t: _Layout, row: Row, where: str) -> tuple[dict[str, FieldValue]
         fields[field], stem = ref, _key_text(origin)
     for col, field in t.bytes_columns.items():
         value = row.get(col)
+        if value is None and col in t.typed:  # an image (video, audio) missing: a sample the Loader would refuse
+            return Skip(where, f"column {col!r}: no value (null), where other rows hold an encoded file ({field})",
+                        error=True)
         if value is not None:
             _put(fields, (col in t.typed and sniff_field(value)) or field, bytes(value), where)
     for col, field in t.text_cols.items():
         value = row.get(col)
         if value is not None:
-            _put(fields, field, _text(value), where)
+            _put(fields, field, _text(value, where, col), where)
     if not fields:
         raise ConvertError(f"{where}: row has no values")
     return fields, origin, stem
@@ -289,6 +351,8 @@ def rows_to_result(
         entries.append(Entry(key=key, fields=tuple(sorted(fields.items())), origin=origin))
     options_desc = {k: v for k, v in (("path_column", t.path_col), ("label_column", t.label_col),
                                        ("key_column", t.key_col)) if v is not None}
+    if t.left_out:
+        options_desc["left_out_columns"] = t.left_out
     if options.labels != "auto":
         options_desc["labels"] = options.labels
     if options.root is not None:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from typing import TextIO
 
-from fastio.words import count
+from fastio.words import count, one_line
 
 __all__ = ["Progress", "count", "human_bytes", "parse_size", "progress_wanted", "rate_line", "table_lines"]
 
@@ -70,7 +70,7 @@ def skipped_lines(skipped: list[dict[str, str]], more: str, shown: int = SKIPPED
     command's: ``(--max-pixels)``)."""
     paths: dict[str, list[str]] = {}
     for s in skipped:
-        paths.setdefault(words(str(s.get("reason"))), []).append(str(s.get("path")))
+        paths.setdefault(one_line(words(str(s.get("reason")))), []).append(one_line(str(s.get("path"))))
     lines = [_skipped_line(reason, found) for reason, found in list(paths.items())[:shown]]
     rest = sum(len(found) for found in list(paths.values())[shown:])
     if rest:

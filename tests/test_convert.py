@@ -348,3 +348,84 @@ def test_image_that_cannot_be_reencoded_is_skipped_not_fatal(tmp_path):
     assert len(ds) == 8
     assert [(s["path"], s["reason"][:29]) for s in ds.manifest.skipped] == [
         ("circle/cmyk.png", "cannot re-encode as PNG (cann")]
+
+
+def test_label_files_are_stored_as_ascii_decimal_text(tmp_path, image_folder):
+    """A `.cls` file Windows wrote (UTF-8 byte order mark, CRLF) was refused as `label '���2' is not an integer`, and
+    one with blanks (` 4 `, `+5`) was stored as it is: WebDataset's `int()` then fails on a BOM. Each is a label,
+    stored as its ASCII decimal text."""
+    import webdataset
+
+    src = tmp_path / "loose"
+    src.mkdir()
+    jpg = min(image_folder.rglob("*.jpg")).read_bytes()
+    for name, label in [("a", b"\xef\xbb\xbf2\r\n"), ("b", b" 4 \n"), ("c", b"+5"), ("d", b"\xef\xbb\xbfx")]:
+        (src / f"{name}.jpg").write_bytes(jpg)
+        (src / f"{name}.cls").write_bytes(label)
+    result = convert(ConvertConfig(source=src, dest=tmp_path / "ds", workers=1))
+    [skip] = result.skipped
+    assert skip["path"] == "d.cls" and skip["reason"] == "field 'cls': label 'x' is not an integer"
+    shards = [str(s) for s in sorted((tmp_path / "ds" / "shards").glob("*.tar"))]
+    assert {s["__key__"]: s["cls"] for s in webdataset.WebDataset(shards, shardshuffle=False)} == {
+        "a": b"2", "b": b"4", "c": b"5"}
+
+
+def test_a_split_of_a_killed_run_is_unfinished_and_not_offered_to_fastio_index(tmp_path, image_folder, capsys):
+    """A `--split` run killed while writing `train` leaves `DEST/train/shards/` with no manifest, its marker in DEST.
+    `fastio inspect DEST/train` (and the Loader) said `tar shards without a manifest.json ...: make it one with
+    fastio index DEST/train`, and that index made a dataset of part of the source. Now both name the unfinished
+    conversion, and the index refuses the folder."""
+    import shutil
+
+    from tests.helpers import run_cli
+
+    dest = tmp_path / "d"
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25", max_samples_per_shard=4))
+    clean = tree(dest)
+    shutil.copytree(dest / "val", tmp_path / "keep_val")
+    for done in (dest / "splits.json", dest / "train" / MANIFEST_NAME, dest / "train" / "samples.fxi"):
+        done.unlink()  # what the kill left: train's shards so far, nothing of val
+    shutil.rmtree(dest / "val")
+    unfinished = f"{dest}: an unfinished fastio convert"
+    with pytest.raises(DatasetError, match=f"^{dest / 'val'}: a split of {unfinished}"):
+        shutil.copytree(tmp_path / "keep_val", dest / "val")  # a run killed after val was written: val is whole ...
+        Dataset(dest / "val")  # ... but not yet the run's output: it says so, as DEST does
+    shutil.rmtree(dest / "val")
+    with pytest.raises(DatasetError, match=f"^{dest / 'train'}: a split of {unfinished}"):
+        Dataset(dest / "train")
+    code, out, err = run_cli(["index", str(dest / "train")], capsys)
+    assert (code, out) == (2, "") and f"a split of {unfinished}" in err and "fastio index" not in err
+    assert not (dest / "train" / MANIFEST_NAME).exists()
+    convert(ConvertConfig(source=image_folder, dest=dest, workers=1, split="val=0.25", max_samples_per_shard=4))
+    assert tree(dest) == clean
+
+
+def test_a_dest_that_is_a_dangling_symlink_is_named_as_one(tmp_path, image_folder):
+    """A DEST that is a link to a folder not made yet failed as `DEST: File exists` (mkdir's word), naming nothing of
+    the link. It now says where the link points."""
+    dest = tmp_path / "ds"
+    dest.symlink_to(tmp_path / "scratch" / "ds")
+    with pytest.raises(ConvertError) as err:
+        convert(ConvertConfig(source=image_folder, dest=dest, workers=1))
+    assert str(err.value) == (f"{dest}: a symlink to {tmp_path / 'scratch' / 'ds'}, which does not exist: make that "
+                              "folder, or give another DEST")
+    assert dest.is_symlink() and not (tmp_path / "scratch").exists()
+
+
+def test_a_file_name_with_a_newline_stays_on_its_line(tmp_path, image_folder, capsys):
+    """A file named `evil\\nfastio: error: fake.jpg` printed its name as it is: the summary's skipped line, and the one
+    line of a run that stops on it, broke in two, the second one reading as another error of fastio's. Names are
+    printed with their control characters escaped."""
+    from tests.helpers import run_cli
+
+    (image_folder / "circle" / "evil\nfastio: error: fake.jpg").write_bytes(b"not an image")
+    (image_folder / "circle" / "tab\tand\rreturn.jpg").write_bytes(b"not an image")
+    code, out, err = run_cli(["convert", str(image_folder), str(tmp_path / "ds")], capsys)
+    assert code == 0, err
+    assert not any(line.startswith("fastio: error") for line in (out + err).splitlines())
+    assert "circle/evil\\nfastio: error: fake.jpg" in out + err
+    assert "circle/tab\tand\\rreturn.jpg" in out + err
+    code, out, err = run_cli(["inspect", str(tmp_path / "ds"), "--skipped"], capsys)
+    assert code == 0 and len(out.splitlines()) == 2 and "circle/evil\\nfastio: error: fake.jpg: not a" in out
+    code, out, err = run_cli(["convert", str(image_folder), str(tmp_path / "ds2"), "--on-error", "fail"], capsys)
+    assert code == 2 and len(err.splitlines()) == 1 and "circle/evil\\nfastio: error: fake.jpg" in err

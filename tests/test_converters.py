@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -181,3 +182,194 @@ def test_corrupt_parquet(tmp_path):
     (tmp_path / "t.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(ConvertError, match=r"t.parquet: unreadable table"):
         converters.scan(tmp_path / "t.parquet")
+
+
+def test_files_fields_are_lowercased_suffixes_and_one_per_sample(tmp_path, image_folder):
+    """WebDataset reads `a.JPG` as field `jpg` and refuses a sample holding `a.JPG` and `a.jpg` (a field twice): the
+    loose files `a.JPG` and `a.jpg` were both packed into sample `a`, a shard webdataset could not read."""
+    src = tmp_path / "loose"
+    src.mkdir()
+    jpgs = sorted(image_folder.rglob("*.jpg"))
+    (src / "a.JPG").write_bytes(jpgs[0].read_bytes())
+    (src / "a.jpg").write_bytes(jpgs[1].read_bytes())
+    (src / "b.PNG.Json").write_text("{}")
+    result = converters.scan(src)
+    assert [(e.key, sorted(fields_of(e))) for e in result.entries] == [("a", ["jpg"]), ("b", ["png.json"])]
+    assert fields_of(result.entries[0])["jpg"].path == str(src / "a.JPG")
+    [skip] = result.skipped
+    assert (skip.path, skip.error) == ("a.jpg", True)
+    assert "field 'jpg' twice" in skip.reason and "a.JPG" in skip.reason
+
+
+def test_parquet_null_in_an_image_column_is_a_rejected_row(tmp_path, image_folder):
+    """A row whose image cell is null (a Hugging Face image struct that is null, or one whose `bytes` is) was packed as
+    a sample with a label and no image, which ImageTrain refuses on its batch; an empty cell (b"") was refused. A null
+    cell of a column of encoded files is refused the same way, naming the row and the column; in a column of other
+    bytes (a mask) a null is an absent field."""
+    files = sorted(image_folder.rglob("*.jpg"))[:4]
+    path = tmp_path / "hf.parquet"
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    pq.write_table(pa.table({
+        "image": pa.array([{"bytes": files[0].read_bytes(), "path": "a.jpg"}, None,
+                           {"bytes": None, "path": "c.jpg"}, {"bytes": files[3].read_bytes(), "path": "d.jpg"}], struct),
+        "mask": pa.array([b"\x00", b"\x01", b"\x02", None], pa.binary()),
+        "label": [0, 1, 2, 3],
+    }), path)
+    result = converters.scan(path)
+    assert [(e.key, sorted(fields_of(e))) for e in result.entries] == [("00000000", ["cls", "jpg", "mask"]),
+                                                                      ("00000003", ["cls", "jpg"])]
+    assert [(s.path, s.reason, s.error) for s in result.skipped] == [
+        ("hf.parquet:2", "column 'image': no value (null), where other rows hold an encoded file (jpg)", True),
+        ("hf.parquet:3", "column 'image': an image by path only ('c.jpg'), its bytes not in the table: fastio reads "
+                         "the images a Parquet holds, not files it names; embed them, or convert a CSV of the paths", True)]
+
+
+def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
+    """A path naming a folder or a FIFO was called `a missing file`, and so was `café.jpg` typed in a table (NFC) for
+    the file a Mac wrote (NFD: the same letters on screen). Each now says what is there."""
+    import unicodedata
+
+    (tmp_path / "sub").mkdir()
+    os.mkfifo(tmp_path / "pipe.jpg")
+    (tmp_path / unicodedata.normalize("NFD", "café.jpg")).write_bytes(b"x")
+    cases = {"sub": "t.csv:2: path column 'path' names a folder, not a file: sub",
+             "pipe.jpg": "t.csv:2: path column 'path' names no regular file (a FIFO, socket or device): pipe.jpg",
+             unicodedata.normalize("NFC", "café.jpg"): "t.csv:2: path column 'path' names a missing file: café.jpg "
+             "(a file whose name differs only in Unicode normalization is there: 'cafe\\u0301.jpg'; rename one)"}
+    for value, message in cases.items():
+        (tmp_path / "t.csv").write_text(f"path\n{value}\n")
+        with pytest.raises(ConvertError) as err:
+            converters.scan(tmp_path / "t.csv")
+        assert str(err.value) == message
+
+
+def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):
+    """One `preview.jpg` beside the class folders made detection call the whole image folder loose files: every image
+    packed with no label, the classes gone, and nothing said. Detection now refuses to guess, naming the file and
+    both formats; either format given converts (the image folder lists the stray file as skipped)."""
+    import shutil
+
+    src = tmp_path / "stray"
+    shutil.copytree(image_folder, src)
+    shutil.copy(min(image_folder.rglob("*.jpg")), src / "preview.jpg")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(src)
+    assert str(err.value) == (f"{src}: cannot tell the format: class folders of images, and 1 file beside them "
+                              "(preview.jpg) that is an image, video or audio file; give format='imagefolder' (the "
+                              "files beside the class folders are skipped and listed) or format='files'")
+    as_folder = converters.scan(src, "imagefolder")
+    assert as_folder.label_map == converters.scan(image_folder).label_map
+    assert [(s.path, s.reason) for s in as_folder.skipped] == [("preview.jpg", "not inside a class folder")]
+    assert len(converters.scan(src, "files").entries) == len(as_folder.entries) + 1
+    (src / "preview.json").write_text("{}")  # loose files of WebDataset's kind: a sample of several files
+    assert converters.detect(src) == "files"
+
+
+def test_a_table_file_named_without_a_suffix_takes_the_field_of_its_type(tmp_path, image_folder):
+    """Images named by a hash or a number with no suffix (`imgs/0001`) were stored as field `file`: the dataset's
+    image field is `jpg`, so ImageTrain refused those samples on their batch, and convert never checked them. Such a
+    file takes the field of its type by magic number; one of no known type stays `file`."""
+    (tmp_path / "imgs").mkdir()
+    jpg = min(image_folder.rglob("*.jpg")).read_bytes()
+    (tmp_path / "imgs" / "0001").write_bytes(jpg)
+    (tmp_path / "imgs" / "0002.jpg").write_bytes(jpg)
+    (tmp_path / "imgs" / "0003").write_bytes(b"just some text")
+    (tmp_path / "t.csv").write_text("path,label\nimgs/0001,0\nimgs/0002.jpg,1\nimgs/0003,1\n")
+    result = converters.scan(tmp_path / "t.csv")
+    assert [(e.key, sorted(fields_of(e))) for e in result.entries] == [
+        ("imgs/0001", ["cls", "jpg"]), ("imgs/0002", ["cls", "jpg"]), ("imgs/0003", ["cls", "file"])]
+
+
+def test_webdatasets_own_sample_keys_are_not_stored_as_fields(tmp_path, image_folder):
+    """A table read from WebDataset shards (a Hugging Face dataset of them has `__key__` and `__url__` columns) put a
+    `__url__` field in every sample, and webdataset then refused every shard: `duplicate file name in tar file
+    __url__` (it sets `__url__` and `__local_path__` itself). Such columns, WebDataset's, are left out and named in
+    the source's options; `__key__` is still the key."""
+    (tmp_path / "x.jpg").write_bytes(min(image_folder.rglob("*.jpg")).read_bytes())
+    (tmp_path / "t.csv").write_text("path,label,__url__,__local_path__,__key__,note\nx.jpg,1,http://a,/p,k1,hi\n")
+    result = converters.scan(tmp_path / "t.csv")
+    [entry] = result.entries
+    assert entry.key == "k1" and sorted(fields_of(entry)) == ["cls", "jpg", "note"]
+    assert result.description["options"]["left_out_columns"] == ["__url__", "__local_path__"]
+
+
+def test_a_class_folder_without_samples_is_listed_with_its_label(image_folder):
+    """An empty class folder, or one holding only hidden files (`__MACOSX/` of a zip made on a Mac, its `._x.jpg`),
+    took a label and shifted every later class's, and nothing said so (torchvision's ImageFolder refuses such a
+    folder). Its label stays (the rule is the index in sorted class names), and the folder is listed as skipped,
+    naming the label that has no samples."""
+    (image_folder / "empty").mkdir()
+    (image_folder / "__MACOSX").mkdir()
+    (image_folder / "__MACOSX" / "._circle_0000.jpg").write_bytes(b"\0\5\x16\7")
+    result = converters.scan(image_folder)
+    assert result.label_map == {"__MACOSX": 0, "circle": 1, "empty": 2, "hstripes": 3, "square": 4, "vstripes": 5}
+    listed = [(s.path, s.reason, s.error) for s in result.skipped]
+    assert ("__MACOSX", "a class folder with no image, video or audio file: label 0 has no samples", False) in listed
+    assert ("empty", "a class folder with no image, video or audio file: label 2 has no samples", False) in listed
+
+
+def test_parquet_cells_json_cannot_hold_are_named_or_stored_as_text(tmp_path, image_folder):
+    """A column of lists of images (Hugging Face's `Sequence(Image())`, as vision-language datasets hold them), or a
+    struct holding bytes, raised a raw `TypeError: Object of type bytes is not JSON serializable`; so did a timestamp
+    or a decimal column. Bytes inside a list or struct are refused in one line naming the row and column; a
+    timestamp or decimal is stored as its text."""
+    import datetime
+    import decimal
+
+    jpg = min(image_folder.rglob("*.jpg")).read_bytes()
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    path = tmp_path / "vlm.parquet"
+    pq.write_table(pa.table({"images": pa.array([[{"bytes": jpg, "path": "a.jpg"}]], pa.list_(struct)),
+                             "label": [0]}), path)
+    with pytest.raises(ConvertError) as err:
+        converters.scan(path)
+    assert str(err.value) == ("vlm.parquet:1: column 'images' holds bytes inside a list or struct (a list of images?), "
+                              "which is stored only as a column of bytes of its own; give each image a column")
+    path = tmp_path / "typed.parquet"
+    pq.write_table(pa.table({"image": [jpg], "ts": pa.array([datetime.datetime(2024, 5, 1, 12)], pa.timestamp("s")),
+                             "price": pa.array([decimal.Decimal("1.50")], pa.decimal128(5, 2)), "label": [0]}), path)
+    [entry] = converters.scan(path).entries
+    assert fields_of(entry)["ts"] == b"2024-05-01 12:00:00" and fields_of(entry)["price"] == b"1.50"
+
+
+def test_a_folder_holding_a_table_is_not_guessed_away(tmp_path, image_folder):
+    """A folder of Parquet shards (a Hugging Face dataset's `train-00000-of-00002.parquet`) was detected as loose files,
+    each table packed whole as one sample; a `labels.csv` beside folders of images was skipped and the folders taken
+    as classes. Detection now refuses both, naming the table and what to give instead."""
+    import shutil
+
+    shards = tmp_path / "hf"
+    shards.mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"img": [b"x"], "label": [i]}), shards / f"train-0000{i}-of-00002.parquet")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(shards)
+    assert str(err.value) == (f"{shards}: a folder of tables (train-00000-of-00002.parquet, "
+                              "train-00001-of-00002.parquet): give one as SOURCE (a conversion reads one table), or "
+                              "format='files' to pack the files as they are")
+    assert len(converters.scan(shards, "files").entries) == 2
+    labelled = tmp_path / "labelled"
+    shutil.copytree(image_folder, labelled)
+    (labelled / "labels.csv").write_text("path,label\ncircle/circle_0000.jpg,1\n")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(labelled)
+    assert str(err.value) == (f"{labelled}: cannot tell the format: class folders of images, and a table beside them "
+                              f"(labels.csv): give the table as SOURCE ({labelled / 'labels.csv'}) to convert its "
+                              "rows, or format='imagefolder' to label images by their folder")
+    assert converters.scan(labelled, "imagefolder").label_map == converters.scan(image_folder).label_map
+
+
+def test_parquet_images_stored_by_path_only_are_refused_naming_the_path(tmp_path, image_folder):
+    """A Parquet whose image structs hold a path and no bytes (datasets' `to_parquet` of images loaded from files)
+    made samples with a label and no image, silently when no row had bytes. Each such row is refused, naming the path
+    and why: fastio reads the images a Parquet holds, not files it names."""
+    struct = pa.struct([("bytes", pa.binary()), ("path", pa.string())])
+    path = tmp_path / "by_path.parquet"
+    pq.write_table(pa.table({"image": pa.array([{"bytes": None, "path": "/data/a.jpg"}] * 2, struct),
+                             "label": [0, 1]}), path)
+    with pytest.raises(ConvertError) as err:
+        converters.scan(path)
+    assert str(err.value) == (f"{path}: no samples found as parquet (2 files left out, e.g. by_path.parquet:1: column "
+                              "'image': an image by path only ('/data/a.jpg'), its bytes not in the table: fastio "
+                              "reads the images a Parquet holds, not files it names; embed them, or convert a CSV of "
+                              "the paths)")

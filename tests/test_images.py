@@ -109,3 +109,35 @@ def test_the_check_returns_the_stored_size_not_the_reduced_one():
     assert check_image(data) == (203, 97)
     with pytest.raises(ImageCheckError, match="image does not decode .*truncated"):
         check_image(data[:len(data) // 2])
+
+
+def _png_chunks(data: bytes) -> list[tuple[int, bytes]]:
+    """(offset, type) of each chunk of a PNG."""
+    out, at = [], 8
+    while at + 8 <= len(data):
+        length = int.from_bytes(data[at:at + 4], "big")
+        out.append((at, data[at + 4:at + 8]))
+        at += 12 + length
+    return out
+
+
+def test_a_png_the_loaders_decoder_refuses_is_refused():
+    """A PNG whose IDAT fails its CRC, or that ends before its IEND chunk, passed PIL's decode, so convert (and `fastio
+    verify --decode`) kept it, and DALI's decoder (libpng: `IDAT: CRC error`; nvImageCodec) failed the Loader's batch
+    on it. A damaged CRC of an ancillary chunk or of IEND, and bytes after IEND, both decoders take."""
+    buf = io.BytesIO()
+    Image.fromarray(np.random.RandomState(1).randint(0, 255, (64, 64, 3), dtype=np.uint8)).save(buf, "PNG")
+    png = buf.getvalue()
+    chunks = _png_chunks(png)
+    iend = next(at for at, kind in chunks if kind == b"IEND")
+    assert chunks[-2][1] == b"IDAT"
+    flipped = bytearray(png)
+    flipped[iend - 4] ^= 1  # the last IDAT's CRC: its data (the zlib stream PIL checks) intact
+    with pytest.raises(ImageCheckError, match=r"^a PNG whose IDAT chunk at byte \d+ fails its CRC \(damaged\), which "
+                                              "the Loader's decoder refuses$"):
+        check_image(bytes(flipped))
+    with pytest.raises(ImageCheckError, match=r"^a PNG that ends before its IEND chunk \(truncated\), which the "
+                                              "Loader's decoder refuses$"):
+        check_image(png[:iend])
+    bad_iend_crc = png[:-1] + bytes([png[-1] ^ 1])
+    assert check_image(bad_iend_crc) == check_image(png + b"after the end") == (64, 64)

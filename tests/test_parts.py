@@ -271,3 +271,26 @@ def test_a_part_does_not_start_under_a_whole_conversion(tmp_path):
     assert not (dest / PARTS_DIR / "part-0-of-2" / "shards").exists()
     convert(ConvertConfig(source=src, dest=dest, workers=1, part=(0, 2)))
     assert (dest / PARTS_DIR / "part-0-of-2" / "part.json").is_file()
+
+
+def test_unmerged_parts_and_a_killed_merge_name_fastio_merge(tmp_path, image_folder):
+    """A DEST holding parts only was `not a fastio dataset (no manifest.json; an interrupted conversion?)`, and a merge
+    killed half-way (its marker and some shards beside `.parts/`) said `run the same fastio convert again`, though
+    the parts are complete and `fastio merge DEST` is what finishes it."""
+    from fastio.dataset.manifest import MARKER_NAME
+    from fastio.errors import DatasetError
+
+    dest = tmp_path / "parted"
+    in_parts(image_folder, dest, 2, workers=1)
+    with pytest.raises(DatasetError) as err:
+        Dataset(dest)
+    assert str(err.value) == (f"{dest}: parts of a --part K/N run ({PARTS_DIR}/), not merged yet, not a dataset; "
+                              f"merge them with `fastio merge {dest}`")
+    (dest / MARKER_NAME).write_bytes(b"fastio convert output; complete once manifest.json or splits.json exists")
+    (dest / "shards").mkdir()  # what a merge killed after its first step leaves
+    with pytest.raises(DatasetError) as err:
+        Dataset(dest)
+    assert str(err.value) == (f"{dest}: an unfinished fastio merge (killed or stopped: {MARKER_NAME} without "
+                              f"manifest.json), not a dataset; run `fastio merge {dest}` again to finish it")
+    merge(dest)
+    assert verify(dest).ok

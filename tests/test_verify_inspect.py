@@ -335,3 +335,21 @@ def test_decode_names_a_sample_without_an_image_that_the_image_pipelines_refuse(
     with Loader(folder, batch_size=3, device="cpu", pipeline=ImageTrain(size=16), shuffle="none") as loader:
         with pytest.raises(DatasetError, match=r"key 's01': sample has no image field \(jpg, png\)$"):
             next(iter(loader))
+
+
+def test_a_sample_holding_a_field_twice_is_named(image_dataset):
+    """`a.JPG` beside `a.jpg` (what fastio convert of loose files wrote before it lowercased fields) is one field twice
+    to WebDataset, whose reader refuses the sample; verify passed it."""
+    shard = image_dataset / "shards" / "shard-000001.tar"
+    data = bytearray(shard.read_bytes())
+    at = 0
+    while not data[at:at + 100].rstrip(b"\0").endswith(b".cls"):  # the header of the first sample's label member
+        at += 512
+    key = data[at:at + 100].rstrip(b"\0")[:-4].decode()
+    data[at:at + 100] = data[at:at + 100].replace(b".cls\0", b".JPG\0", 1)
+    data[at + 148:at + 156] = b" " * 8
+    data[at + 148:at + 156] = b"%06o\0 " % sum(data[at:at + 512])
+    shard.write_bytes(bytes(data))
+    problems = [p.line() for p in verify(image_dataset).problems]
+    assert (f"shard-000001.tar: {key}: field 'jpg' twice (members {key}.JPG and {key}.jpg: fields are suffixes "
+            "lowercased, as WebDataset reads them); WebDataset's reader refuses the sample") in problems

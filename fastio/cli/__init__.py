@@ -1,6 +1,7 @@
 """The ``fastio`` command: parse options, call one library function, print.
 
-Every :class:`~fastio.errors.FastioError` becomes one line on stderr and exit code 2. A command group
+Every :class:`~fastio.errors.FastioError` becomes one line on stderr (a control character of a name in it escaped) and
+exit code 2. A command group
 given no command (``fastio``, ``fastio ckpt``) prints its help on stdout and exits 0, as ``pip`` does:
 asking for nothing is not an error.
 """
@@ -14,6 +15,7 @@ import click
 
 from fastio.cli.group import cli
 from fastio.errors import FastioError
+from fastio.words import one_line
 
 __all__ = ["cli", "entry", "main"]
 
@@ -44,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rc = cli.main(args=argv, prog_name="fastio", standalone_mode=False)
     except FastioError as err:
-        click.echo(f"fastio: error: {err}", err=True)
+        click.echo(f"fastio: error: {one_line(str(err))}", err=True)  # a name holding a newline stays on the line
         return 2
     except click.exceptions.Abort:
         click.echo("fastio: aborted", err=True)

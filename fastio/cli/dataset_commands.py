@@ -15,6 +15,7 @@ import click
 from fastio.cli.group import cli, long_flag, storage_flags, storage_options, warn_idle_flags
 from fastio.errors import ConvertError, DatasetError, FastioError
 from fastio.formats.images import DEFAULT_MAX_PIXELS
+from fastio.words import one_line
 
 __all__ = ["convert", "index", "inspect", "merge", "verify"]
 
@@ -591,7 +592,7 @@ def _recorded(reason: str) -> str:
 
 def _print_skipped(info: dict[str, Any]) -> None:
     for s in info["skipped_inputs"]:
-        click.echo(f"{s.get('path')}: {_recorded(str(s.get('reason')))}")
+        click.echo(one_line(f"{s.get('path')}: {_recorded(str(s.get('reason')))}"))
     if not info["skipped_inputs"]:
         click.echo(f"{info['path']}: nothing was skipped")
 

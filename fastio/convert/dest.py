@@ -34,7 +34,15 @@ from typing import TypeVar
 
 from fastio.convert.listing import display_of, owns_shards_dir
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
-from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME, fastio_json
+from fastio.dataset.manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    MARKER_NAME,
+    SHARDS_DIR,
+    SPLITS_NAME,
+    fastio_json,
+    unfinished_split,
+)
 from fastio.dataset.sample_table import INDEX_NAME
 from fastio.errors import ConvertError, DatasetError
 from fastio.formats.media import PROBES_NAME
@@ -207,6 +215,9 @@ def lock_dest(lock: DirLock, dest: Path) -> None:
     except LockedError as err:
         raise ConvertError(str(err)) from None  # names DEST and the holder
     except OSError as err:  # DEST cannot be created
+        if dest.is_symlink() and not dest.exists():  # mkdir's word for it is "File exists"
+            raise ConvertError(f"{dest}: a symlink to {os.readlink(dest)}, which does not exist: make that folder, or "
+                               "give another DEST") from None
         raise ConvertError(f"{err.filename or dest}: {err.strerror or err}") from None
 
 
@@ -248,6 +259,16 @@ def refuse_a_datasets_shards(dest: Storage) -> None:
         raise DatasetError(f"{path}: the {SHARDS_DIR}/ folder of the dataset {path.parent}: an index here would add "
                            "files to that dataset; it is read as it is (give the dataset's folder), or index these "
                            "shards into another folder (--dest)")
+
+
+def refuse_a_split_of_an_unfinished_convert(folder: Storage) -> None:
+    """DatasetError where a local folder ``fastio index`` would read or write is a split folder (``DEST/train``) of an
+    unfinished ``fastio convert``: its shards are part of the source only, and the same convert redoes them."""
+    if folder.remote:
+        return
+    err = unfinished_split(folder.location.path)
+    if err is not None:
+        raise err
 
 
 def refuse_a_foreign_manifest(dest: Storage) -> None:

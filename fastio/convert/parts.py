@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef
+from fastio.dataset.manifest import PARTS_DIR
 from fastio.dataset.shards import sample_span, starts_new_shard
 from fastio.errors import ConvertError
 from fastio.progress import count
@@ -53,7 +54,6 @@ __all__ = [
     "write_part_record",
 ]
 
-PARTS_DIR = ".parts"
 PART_RECORD = "part.json"
 PART_FORMAT = "fastio-part"
 PART_FORMAT_VERSION = 1
@@ -172,7 +172,7 @@ def listing_digest(scan: ScanResult) -> str:
 
     def put(*items: Any) -> None:
         for item in items:
-            data = item if isinstance(item, bytes) else str(item).encode()
+            data = item if isinstance(item, bytes) else _utf8(str(item))
             h.update(len(data).to_bytes(8, "little"))
             h.update(data)
 
@@ -186,12 +186,17 @@ def listing_digest(scan: ScanResult) -> str:
     return h.hexdigest()
 
 
+def _utf8(text: str) -> bytes:
+    """``text`` as UTF-8, a file name's bytes that are not UTF-8 (held as lone surrogates, os.fsdecode's) as they were."""
+    return text.encode("utf-8", "surrogateescape")
+
+
 def _listed(value: Any) -> bytes:
     """A field's value as the listing digest takes it: a file's path, an object's URL and size, or the bytes."""
     if isinstance(value, FileRef):
-        return ("ref:" + value.path).encode()
+        return _utf8("ref:" + value.path)
     if isinstance(value, UrlRef):
-        return f"url:{value.size}:{value.url}".encode()
+        return _utf8(f"url:{value.size}:{value.url}")
     return b"bytes:" + value
 
 

@@ -55,7 +55,7 @@ from fastio.dataset.manifest import Manifest, write_splits
 from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError, StorageError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
-from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, check_label
+from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, label_bytes
 from fastio.formats.media import (
     DEFAULT_TRANSCODE,
     DEFAULT_VIDEO_DECODER,
@@ -73,6 +73,7 @@ from fastio.formats.wds import is_plain_name
 from fastio.progress import Progress, count, parse_size, rate_line, skipped_lines, trained_line
 from fastio.storage.lock import LOCK_NAME
 from fastio.storage.url import dest_location, local_or_url
+from fastio.words import one_line
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -343,8 +344,8 @@ def renamed_line(renamed: list[tuple[str, str, str]]) -> str:
     if not renamed:
         return ""
     origin, key, first = renamed[0]
-    return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {origin} is key {key!r}, as {first} "
-            f"has the key it would have had)")
+    return (f"; renamed {count(len(renamed), 'key')} another input had (e.g. {one_line(origin)} is key {key!r}, as "
+            f"{one_line(first)} has the key it would have had)")
 
 
 _TRANSCODED_INTO = {"flac": ("audio file", "DALI's audio decoder does not read into FLAC", "flac"),
@@ -397,7 +398,7 @@ def load_entry(entry) -> tuple[dict[str, bytes] | None, str | None, str | None]:
         original = value
         if name == label_field:
             try:
-                check_label(value)
+                value = label_bytes(value)  # a label file's " 4\r\n" or BOM: stored as "4", as WebDataset's int() reads
             except ValueError as err:
                 return None, f"field {name!r}: {err}", where
         if is_media_field(name):

@@ -49,6 +49,7 @@ from fastio.convert.dest import (
     publish_uploads,
     refuse_a_datasets_shards,
     refuse_a_foreign_manifest,
+    refuse_a_split_of_an_unfinished_convert,
     writer_lock,
 )
 from fastio.convert.foreign_tar import TarContents, as_fields, read_tar
@@ -353,6 +354,8 @@ def _index_dest(config: IndexConfig, src_root: Storage, shards: list[ListedShard
     in_place = _same_place(dest_storage, src_root)
     dest_storage = src_root if in_place else dest_storage  # DEST spelt another way (``wds/``, absolute, a link)
     refuse_a_datasets_shards(dest_storage)
+    for folder in (src_root, dest_storage):
+        refuse_a_split_of_an_unfinished_convert(folder)
     if not in_place and src_root.remote and not dest_storage.remote:
         raise DatasetError(f"{config.dest}: shards on an object store are indexed into an s3:// DEST (or in place)")
     _check_locations(shards, in_place, dest_storage.url)

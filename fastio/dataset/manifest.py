@@ -40,9 +40,12 @@ __all__ = [
     "IndexRecord",
     "KINDS",
     "MANIFEST_NAME",
+    "PARTS_DIR",
     "Manifest",
     "rebuild_hint",
     "reindex_command",
+    "unfinished_run",
+    "unfinished_split",
     "MARKER_NAME",
     "SHARDS_DIR",
     "SPLITS_FORMAT",
@@ -65,6 +68,8 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 SHARDS_DIR = "shards"
 SPLITS_NAME = "splits.json"
+PARTS_DIR = ".parts"
+"""The folder of a ``--part K/N`` conversion's or index's parts in DEST (:mod:`fastio.convert.parts`)."""
 # Written first by a conversion: marks DEST as fastio's own output even before the manifest exists,
 # so that an interrupted run can be redone in place without --overwrite.
 MARKER_NAME = ".fastio-output"
@@ -630,10 +635,9 @@ def not_a_dataset(dest: Path) -> DatasetError:
                             "or `fastio index`")
     if not dest.is_dir():
         return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory")
-    if (dest / MARKER_NAME).is_file():  # not fastio index's advice: the shards written so far are part of the source
-        what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
-        return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
-                            f"{MANIFEST_NAME}), not a dataset; run the same {what} again to finish it")
+    unfinished = unfinished_run(dest)
+    if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
+        return unfinished
     holds = _holds(dest)
     if "tar" in holds:
         return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
@@ -642,6 +646,36 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
                             "DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def unfinished_run(dest: Path) -> DatasetError | None:
+    """The error for a folder without a manifest that an unfinished run wrote (its shards are part of the source only):
+    DEST holding parts not merged yet (a killed merge's marker beside them, or none), or the run's marker, or a split
+    folder of an unfinished conversion (:func:`unfinished_split`); None for any other folder."""
+    parts = (dest / PARTS_DIR).is_dir()
+    if (dest / MARKER_NAME).is_file() and parts:  # a merge's: the parts are complete, and stay until it is
+        return DatasetError(f"{dest}: an unfinished fastio merge (killed or stopped: {MARKER_NAME} without "
+                            f"{MANIFEST_NAME}), not a dataset; run `fastio merge {dest}` again to finish it")
+    if parts:
+        return DatasetError(f"{dest}: parts of a --part K/N run ({PARTS_DIR}/), not merged yet, not a dataset; "
+                            f"merge them with `fastio merge {dest}`")
+    if (dest / MARKER_NAME).is_file():
+        what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
+        return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
+                            f"{MANIFEST_NAME}), not a dataset; run the same {what} again to finish it")
+    return unfinished_split(dest)
+
+
+def unfinished_split(dest: Path) -> DatasetError | None:
+    """The error for a split folder (``DEST/train``) of an unfinished ``fastio convert``: its DEST holds the run's
+    marker and neither a manifest nor a split list yet. None for any other folder."""
+    run = dest.parent
+    if ((run / MARKER_NAME).is_file() and _read_head(run / MARKER_NAME).startswith(b"fastio convert")
+            and not (run / MANIFEST_NAME).exists() and not (run / SPLITS_NAME).exists()):
+        return DatasetError(f"{dest}: a split of {run}: an unfinished fastio convert (killed or stopped: "
+                            f"{MARKER_NAME} without {SPLITS_NAME}), not a dataset; run the same fastio convert "
+                            "again to finish it")
+    return None
 
 
 def _shard_pattern(dest: Path) -> DatasetError | None:
@@ -706,6 +740,9 @@ def load_manifest(dest: Path) -> Manifest:
     path = Path(dest) / MANIFEST_NAME
     if not path.is_file():
         raise not_a_dataset(Path(dest))
+    unfinished = unfinished_split(Path(dest))  # a split written before its run was killed: the run is not done
+    if unfinished is not None:
+        raise unfinished
     try:
         manifest = json.loads(path.read_text())
     except (OSError, ValueError) as err:

@@ -17,6 +17,7 @@ import io
 import re
 import struct
 import warnings
+import zlib
 from contextlib import contextmanager
 
 from fastio.words import count
@@ -106,14 +107,41 @@ alpha, grey) where a PNG's comes out grey; 32-bit integer pixels fail its decode
 
 
 def _refuse_undecoded(data, img) -> None:
-    """ImageCheckError for an image (``img``: PIL's open of ``data``) that :func:`loader_decodes` says no to, or a TIFF
-    of a mode the Loader's decoder misreads (:data:`_TIFF_MISREAD`)."""
+    """ImageCheckError for an image (``img``: PIL's open of ``data``) that :func:`loader_decodes` says no to, a PNG it
+    refuses though PIL decodes it (:func:`_refuse_damaged_png`), or a TIFF of a mode the Loader's decoder misreads
+    (:data:`_TIFF_MISREAD`)."""
     if not loader_decodes(data):
         raise ImageCheckError(f"a {img.format or 'unknown'} image: not a type the Loader decodes (JPEG, PNG, WebP, "
                               "BMP, GIF or TIFF)")
+    if img.format == "PNG":
+        _refuse_damaged_png(data)
     if img.format == "TIFF" and img.mode in _TIFF_MISREAD:
         raise ImageCheckError(f"a TIFF image of mode {img.mode}, which the Loader's decoder misreads "
                               f"({_TIFF_MISREAD[img.mode]}")
+
+
+_PNG_CRITICAL = (b"IHDR", b"PLTE", b"IDAT")
+"""The PNG chunks whose CRC libpng (DALI's PNG decoder) checks, failing the decode; it takes a damaged ancillary
+chunk's and IEND's."""
+
+
+def _refuse_damaged_png(data) -> None:
+    """ImageCheckError for a PNG (PIL decodes it) that the Loader's decoder refuses: a critical chunk (an IDAT) whose
+    CRC does not match (PIL does not check IDAT's), or one that ends before its IEND chunk (nvImageCodec's parser
+    needs it)."""
+    view, at = memoryview(data), 8
+    while at + 8 <= len(view):
+        length, kind = int.from_bytes(view[at:at + 4], "big"), bytes(view[at + 4:at + 8])
+        if kind == b"IEND":
+            return
+        end = at + 8 + length
+        if end + 4 > len(view):
+            break
+        if kind in _PNG_CRITICAL and zlib.crc32(view[at + 4:end]) != int.from_bytes(view[end:end + 4], "big"):
+            raise ImageCheckError(f"a PNG whose {kind.decode()} chunk at byte {at} fails its CRC (damaged), which the "
+                                  "Loader's decoder refuses")
+        at = end + 4
+    raise ImageCheckError("a PNG that ends before its IEND chunk (truncated), which the Loader's decoder refuses")
 
 
 @contextmanager

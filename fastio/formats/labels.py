@@ -111,7 +111,8 @@ def check_label(value: int | str | bytes) -> int:
     if isinstance(value, int):
         number = value
     else:
-        text = value.decode("ascii", "replace") if isinstance(value, (bytes, bytearray)) else str(value)
+        # bytes: a file's text, a UTF-8 byte order mark dropped (Windows tools write one), other bytes shown as \xNN
+        text = value.decode("utf-8-sig", "backslashreplace") if isinstance(value, (bytes, bytearray)) else str(value)
         text = text.strip()
         if not text:
             raise ValueError("empty label")

@@ -41,7 +41,7 @@ def sanitize_key(text: str) -> str:
     """
     key = _KEY_UNSAFE.sub("_", text).strip("/")
     if len(key) > MAX_KEY:
-        key = key[:63] + "_" + hashlib.sha256(text.encode()).hexdigest()[:16]
+        key = key[:63] + "_" + hashlib.sha256(text.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     return key or "_"
 
 

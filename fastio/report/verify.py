@@ -477,6 +477,7 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
             report.problems.append(Problem(label, key, "key appears in two places (members not adjacent)"))
         seen.add(key)
         report.problems.extend(Problem(label, key, what) for what in _image_text_problems(members, ids.image_pair(key)))
+        report.problems.extend(Problem(label, key, what) for what in _fields_twice(key, members))
         if images and not any(field_of(ext) in images or ext in images for ext, _, _ in members):
             report.problems.append(Problem(label, key, f"sample has no image field ({', '.join(images)}): an image "
                                                        "pipeline (fastio.ImageTrain, ImageEval) refuses it"))
@@ -490,6 +491,20 @@ def _verify_tar(tar_path: Path, shard: ShardRecord, entries: list | None, decode
             report.problems.append(Problem(label, key, f"index entry {i} does not match the tar"))
     if len(entries) > len(samples):
         report.problems.append(Problem(label, entries[len(samples)].key, "index lists a sample the tar lacks"))
+
+
+def _fields_twice(key: str, members: list[tuple[str, int, int]]) -> list[str]:
+    """A field a sample holds twice as WebDataset reads fields, lowercased (``a.jpg`` and ``a.JPG``): its reader
+    refuses such a sample."""
+    first: dict[str, str] = {}
+    out = []
+    for ext, _, _ in members:
+        field = field_of(ext)
+        if field in first:
+            out.append(f"field {field!r} twice (members {key}.{first[field]} and {key}.{ext}: fields are suffixes "
+                       "lowercased, as WebDataset reads them); WebDataset's reader refuses the sample")
+        first.setdefault(field, ext)
+    return out
 
 
 def _image_text_problems(members: list[tuple[str, int, int]], image_tokens: tuple[int, int] | None) -> list[str]:
