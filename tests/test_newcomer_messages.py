@@ -64,6 +64,22 @@ def test_a_shard_inside_a_dataset_names_the_dataset(image_dataset):
         Dataset(image_dataset / "shards" / "shard-000000.tar")
 
 
+def test_a_file_of_a_dataset_names_its_folder(shards, capsys):
+    """Found by review (round 4): a shard of indexed WebDataset shards (beside their manifest) was told to run
+    `fastio index` on a folder that already is a dataset (which then refuses: 'pass --overwrite'); its manifest.json
+    said only 'a file, not a dataset', and `fastio inspect DS/manifest.json` read it as a mixture file."""
+    assert run_cli(["index", str(shards), "-q"], capsys)[0] == 0
+    for file in (shards / "shard-000000.tar", shards / "shard-000000.idx", shards / "manifest.json"):
+        with pytest.raises(DatasetError, match=rf"^{file}: a (shard|file) of the dataset {shards}: give the dataset "
+                                               rf"folder$"):
+            Dataset(file)
+    manifest = shards / "manifest.json"
+    for command in ("inspect", "verify"):
+        code, _, err = run_cli([command, str(manifest)], capsys)
+        assert code == 2 and err.strip() == (f"fastio: error: {manifest}: a file of the dataset {shards}: "
+                                             "give the dataset folder"), err
+
+
 def test_verify_on_unconverted_folders_names_the_command(shards, image_folder, capsys):
     code, _, err = run_cli(["verify", str(shards)], capsys)
     assert code == 2 and f"`fastio index {shards}`" in err and "interrupted" not in err, err

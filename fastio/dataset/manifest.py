@@ -611,10 +611,10 @@ def not_a_dataset(dest: Path) -> DatasetError:
     folder of tar shards, of Megatron pairs (a pair's file or data prefix too) or of images, a brace pattern or glob
     of tars (naming the command that makes it a dataset), a missing folder, or else an interrupted conversion."""
     if dest.is_file():
-        dataset = dest.parent.parent
-        if (dest.suffix.lower() in (".tar", ".bin", ".idx") and dest.parent.name == SHARDS_DIR
-                and (dataset / MANIFEST_NAME).is_file()):
-            return DatasetError(f"{dest}: a shard of the dataset {dataset}: give the dataset folder")
+        owner = _dataset_of_file(dest)
+        if owner is not None:
+            what = "shard" if dest.suffix.lower() in (".tar", ".bin", ".idx") else "file"
+            return DatasetError(f"{dest}: a {what} of the dataset {owner}: give the dataset folder")
         if dest.suffix.lower() == ".tar":
             return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
                                 f"shards one with `fastio index {dest.parent}`, then give that folder")
@@ -642,6 +642,15 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
                             "DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def _dataset_of_file(file: Path) -> Path | None:
+    """The dataset (or --split DEST) a file belongs to: the folder holding it beside a manifest (shards indexed in
+    place, the manifest itself) or, for a file of a ``shards/`` folder, that folder's parent with a manifest."""
+    for folder in (file.parent, file.parent.parent) if file.parent.name == SHARDS_DIR else (file.parent,):
+        if (folder / MANIFEST_NAME).is_file() or (folder / SPLITS_NAME).is_file():
+            return folder
+    return None
 
 
 def _shard_pattern(dest: Path) -> DatasetError | None:
