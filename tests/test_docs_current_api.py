@@ -81,3 +81,16 @@ def test_the_api_reference_says_where_each_name_is_imported_from():
         if getattr(fastio, name, None) is not obj and imports.get(name) is not obj:
             unsaid.append(entry)
     assert unsaid == []
+
+
+def test_storage_md_names_every_storage_option():
+    """docs/storage.md's list of `storage_options` keys is every field of StorageOptions (it lacked four)."""
+    import dataclasses
+
+    from fastio.storage import StorageOptions
+
+    text = (ROOT / "docs" / "storage.md").read_text()
+    start = text.index("Override them with `storage_options=")
+    paragraph = text[start:text.index("--endpoint-url", start)]
+    named = {a or b for a, b in re.findall(r'"(\w+)":|`(\w+)`', paragraph)}
+    assert {f.name for f in dataclasses.fields(StorageOptions)} <= named
