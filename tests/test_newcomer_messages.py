@@ -170,3 +170,11 @@ def test_skipped_lines_say_each_reason_once_then_how_many_more():
     assert lines == ["", "  3 inputs (a0.mp4, a1.mp4, a2.mp4): same reason", "  b0.jpg: reason 0", "  b1.jpg: reason 1",
                      "  b2.jpg: reason 2", "  b3.jpg: reason 3", "  ... and 3 more: fastio inspect DEST --skipped"]
     assert skipped_lines([], "x") == ""
+
+
+def test_index_of_an_image_folder_names_fastio_convert(image_folder, capsys):
+    # Found by the newcomer review (round 4): `fastio index images` said only 'holds no .tar files' (verify and
+    # inspect of the same folder name `fastio convert`).
+    code, _, err = run_cli(["index", str(image_folder)], capsys)
+    assert code == 2 and err == (f"fastio: error: {image_folder}: holds no .tar files but images: a folder of images "
+                                 f"is converted, not indexed: `fastio convert {image_folder} DEST`\n"), err

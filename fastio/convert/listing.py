@@ -21,6 +21,7 @@ from fastio.convert.foreign_tar import COMPRESSED
 from fastio.dataset.files import dest_child, dest_split_names
 from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR
 from fastio.errors import DatasetError
+from fastio.formats.images import is_image_field
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.options import StorageOptions
@@ -244,6 +245,9 @@ def _no_tars(source: str, keys: list[str], own_shards: bool) -> DatasetError:
     if own_shards:
         return DatasetError(f"{source}: a fastio dataset already (its shards/ are its own): nothing to index; give it "
                             "to the Loader, verify or inspect as it is")
+    if any(is_image_field(key.rsplit("/", 1)[-1]) for key in keys if "." in key.rsplit("/", 1)[-1]):
+        return DatasetError(f"{source}: holds no .tar files but images: a folder of images is converted, not indexed: "
+                            f"`fastio convert {source} DEST`")
     return DatasetError(f"{source}: holds no .tar files")
 
 
