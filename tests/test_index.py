@@ -655,6 +655,17 @@ def test_index_dest_refuses_a_folder_fastio_did_not_make(tmp_path, capsys):
     assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
 
 
+def test_merge_quotes_the_brace_pattern_and_paths_of_the_command_it_names(tmp_path, capsys):
+    # Found by the newcomer review (round 4): the command named for a missing part, pasted into bash, had its brace
+    # pattern expanded by the shell (and a path with a space split in two): it is quoted as the shell needs it.
+    for n in range(2):
+        _tar(tmp_path / "my src" / f"x{n}.tar")
+    pattern, dest = str(tmp_path / "my src" / "x{0..1}.tar"), tmp_path / "my dest"
+    assert run_cli(["index", pattern, "--dest", str(dest), "--part", "0/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and f"index them (fastio index '{pattern}' --dest '{dest}' --part K/2)" in err, err
+
+
 def test_merge_names_fastio_index_for_the_missing_parts_of_an_index(tmp_path, capsys):
     for n in range(2):
         _tar(tmp_path / "src" / f"x{n}.tar")

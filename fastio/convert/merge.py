@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -231,12 +232,13 @@ def _rerun(dest: Path, n: int, records: list[PartRecord | None]) -> str:
     """How to make the missing parts: the command that made the others (an index's, or a conversion's)."""
     plan = next((r.plan for r in records if r is not None), {})
     if plan.get("kind") == INDEX_PLAN:
-        where = "" if plan.get("options", {}).get("in_place") else f" --dest {dest}"
-        return f"index them (fastio index {plan['source']['path']}{where} --part K/{n})"
+        where = "" if plan.get("options", {}).get("in_place") else f" --dest {shlex.quote(str(dest))}"
+        return f"index them (fastio index {shlex.quote(str(plan['source']['path']))}{where} --part K/{n})"
     if plan.get("kind") == TOKEN_PLAN:
         return f"convert them ({part_command(plan, dest, n)})"
     source = plan.get("source", {}).get("path", "SOURCE")
-    return f"convert them (fastio convert {source} {dest} --part K/{n} with the other parts' options)"
+    return (f"convert them (fastio convert {shlex.quote(str(source))} {shlex.quote(str(dest))} --part K/{n} with the "
+            "other parts' options)")
 
 
 def _write_parts(dest: Path) -> str:
