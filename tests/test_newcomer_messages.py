@@ -178,3 +178,18 @@ def test_index_of_an_image_folder_names_fastio_convert(image_folder, capsys):
     code, _, err = run_cli(["index", str(image_folder)], capsys)
     assert code == 2 and err == (f"fastio: error: {image_folder}: holds no .tar files but images: a folder of images "
                                  f"is converted, not indexed: `fastio convert {image_folder} DEST`\n"), err
+
+
+def test_the_commands_named_for_a_folder_with_a_space_are_quoted(tmp_path, shards, image_folder, capsys):
+    # Found by the newcomer review (round 4): `fastio index my wds` (the command the message named, pasted) indexes
+    # two folders, 'my' and 'wds'.
+    spaced = shutil.move(shards, tmp_path / "my wds")
+    images = shutil.move(image_folder, tmp_path / "my images")
+    with pytest.raises(DatasetError, match=re.escape(f"make it one with `fastio index '{spaced}'`")):
+        Dataset(spaced)
+    with pytest.raises(DatasetError, match=re.escape(f"`fastio index '{spaced}'`, then give that folder")):
+        Dataset(spaced / "shard-000000.tar")
+    with pytest.raises(DatasetError, match=re.escape(f"convert it with `fastio convert '{images}' DEST`")):
+        Dataset(images)
+    code, _, err = run_cli(["index", str(images)], capsys)
+    assert code == 2 and f"`fastio convert '{images}' DEST`" in err, err

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import re
+import shlex
 import stat
 import string
 from dataclasses import dataclass
@@ -247,7 +248,7 @@ def _no_tars(source: str, keys: list[str], own_shards: bool) -> DatasetError:
                             "to the Loader, verify or inspect as it is")
     if any(is_image_field(key.rsplit("/", 1)[-1]) for key in keys if "." in key.rsplit("/", 1)[-1]):
         return DatasetError(f"{source}: holds no .tar files but images: a folder of images is converted, not indexed: "
-                            f"`fastio convert {source} DEST`")
+                            f"`fastio convert {shlex.quote(source)} DEST`")
     return DatasetError(f"{source}: holds no .tar files")
 
 

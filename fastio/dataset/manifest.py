@@ -617,13 +617,14 @@ def not_a_dataset(dest: Path) -> DatasetError:
             return DatasetError(f"{dest}: a {what} of the dataset {owner}: give the dataset folder")
         if dest.suffix.lower() == ".tar":
             return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
-                                f"shards one with `fastio index {dest.parent}`, then give that folder")
+                                f"shards one with `fastio index {shlex.quote(str(dest.parent))}`, then give that folder")
     pairs = _megatron_folder(dest)
     if pairs is not None and not (dest / MARKER_NAME).is_file():
         what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
             "a file of a Megatron .bin/.idx pair" if dest.is_file() else "a Megatron data prefix")
         return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
-                            f"{'it' if pairs == dest else 'its folder'} one with `fastio index {pairs} --eos-id N` "
+                            f"{'it' if pairs == dest else 'its folder'} one with "
+                            f"`fastio index {shlex.quote(str(pairs))} --eos-id N` "
                             "(N: the id that ends every document), then give that folder")
     if dest.is_file():
         return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
@@ -637,10 +638,10 @@ def not_a_dataset(dest: Path) -> DatasetError:
     holds = _holds(dest)
     if "tar" in holds:
         return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
-                            f"`fastio index {dest}`")
+                            f"`fastio index {shlex.quote(str(dest))}`")
     if "image" in holds:
-        return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
-                            "DEST`, then give DEST")
+        return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with "
+                            f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
 
 
@@ -663,7 +664,8 @@ def _shard_pattern(dest: Path) -> DatasetError | None:
     folder = text[:at].rsplit("/", 1)[0] if "/" in text[:at] else "."
     if (Path(folder) / MANIFEST_NAME).is_file():
         return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: their folder {folder} is one; give it")
-    command = f"fastio index '{text}'" if "{" in text else f"fastio index {folder}"  # fastio expands no globs
+    # fastio expands no globs: a glob names the folder, a brace pattern itself (quoted for the shell)
+    command = f"fastio index {shlex.quote(text)}" if "{" in text else f"fastio index {shlex.quote(folder)}"
     return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: a dataset is a folder; make its shards one "
                         f"with `{command}`, then give {folder}")
 
