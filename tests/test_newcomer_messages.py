@@ -193,3 +193,13 @@ def test_the_commands_named_for_a_folder_with_a_space_are_quoted(tmp_path, shard
         Dataset(images)
     code, _, err = run_cli(["index", str(images)], capsys)
     assert code == 2 and f"`fastio convert '{images}' DEST`" in err, err
+
+
+def test_a_mistyped_dataset_folder_names_the_nearest_one(tmp_path, image_dataset, capsys):
+    # Found by the newcomer review (round 4): Loader('ds/trian') and `fastio verify ds/trian` said only 'no such
+    # dataset directory', beside a ds/train the user meant.
+    typo = image_dataset.parent / "dss"
+    with pytest.raises(DatasetError, match=rf"^{typo}: no such dataset directory \(did you mean {image_dataset}\?\)$"):
+        Dataset(typo)
+    code, _, err = run_cli(["verify", str(image_dataset.parent / "zzz")], capsys)
+    assert err == f"fastio: error: {image_dataset.parent / 'zzz'}: no such dataset directory\n", err

@@ -8,6 +8,7 @@ Every field is validated with its type when read, so a damaged or hand-edited ma
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -630,7 +631,7 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
                             "or `fastio index`")
     if not dest.is_dir():
-        return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory")
+        return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory{_nearest(dest)}")
     if (dest / MARKER_NAME).is_file():  # not fastio index's advice: the shards written so far are part of the source
         what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
         return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
@@ -643,6 +644,16 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with "
                             f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def _nearest(dest: Path) -> str:
+    """`` (did you mean X?)`` naming the folder beside a missing ``dest`` whose name is nearest (a typo), or ''."""
+    try:
+        names = sorted(e.name for e in os.scandir(dest.parent or ".") if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(dest.name, names[:_LOOK_AT], n=1)
+    return f" (did you mean {dest.parent / near[0]}?)" if near else ""
 
 
 def _dataset_of_file(file: Path) -> Path | None:
