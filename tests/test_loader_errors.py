@@ -24,6 +24,7 @@ def _loader(dest, **kw):
 
 def test_dest_without_manifest(tmp_path):
     (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "samples.fxi").write_bytes(b"")  # a folder with files but no manifest (an empty one is named)
     with pytest.raises(DatasetError, match=r"half: not a fastio dataset \(no manifest.json"):
         _loader(tmp_path / "half")
 

@@ -203,3 +203,12 @@ def test_a_mistyped_dataset_folder_names_the_nearest_one(tmp_path, image_dataset
         Dataset(typo)
     code, _, err = run_cli(["verify", str(image_dataset.parent / "zzz")], capsys)
     assert err == f"fastio: error: {image_dataset.parent / 'zzz'}: no such dataset directory\n", err
+
+
+def test_an_empty_folder_is_named_as_such(tmp_path, capsys):
+    # Found by the newcomer review (round 4): Loader('empty') said 'not a fastio dataset (no manifest.json; an
+    # interrupted conversion?)': nothing was ever converted there.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=rf"^{tmp_path / 'empty'}: an empty folder, not a dataset: give the "
+                                           rf"folder `fastio convert` or `fastio index` made$"):
+        Dataset(tmp_path / "empty")

@@ -643,6 +643,9 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if "image" in holds:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with "
                             f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
+    if not any(os.scandir(dest)):
+        return DatasetError(f"{dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
+                            "`fastio index` made")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
 
 
