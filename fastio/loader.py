@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -109,6 +110,16 @@ _OLD_OPTIONS = {"image_size": "size", "mean": "mean", "std": "std", "dtype": "dt
 ``ImageEval(crop_ratio=)``)."""
 
 
+def _refuse_unknown(arguments: dict[str, Any], options: set[str]) -> None:
+    """Refuse an option LoaderConfig has not (a typo: ``batchsize=``) naming the nearest one, where one is near,
+    rather than the dataclass's ``LoaderConfig.__init__() got an unexpected keyword argument``."""
+    for name in sorted(set(arguments) - options):
+        near = difflib.get_close_matches(name, sorted(options), n=1)
+        hint = f": did you mean {near[0]}?" if near else ""
+        raise LoaderArgumentError(f"Loader got an unknown option {name}={arguments[name]!r}{hint} (the options: "
+                                  "LoaderConfig's fields)")
+
+
 def _refuse_old_spellings(arguments: dict[str, Any]) -> None:
     """Refuse the old spellings among a config's arguments (``image_size=32``, ``eval_crop_ratio=``,
     ``fields=``, ..., ``graph=``, ``pipeline="image-train"`` or a graph function) in one line naming the pipeline
@@ -159,6 +170,7 @@ class LoaderConfig:
 
     def __new__(cls, *args: Any, **kwargs: Any) -> LoaderConfig:
         _refuse_old_spellings(kwargs)  # before the dataclass's __init__, which would name none of the objects
+        _refuse_unknown(kwargs, {f.name for f in dataclasses.fields(cls) if f.init})
         return super().__new__(cls)
 
     batch_size: int = 64

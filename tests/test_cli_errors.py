@@ -145,3 +145,12 @@ def test_an_empty_path_is_refused_never_read_as_the_current_folder(args, tmp_pat
     code, _, err = run_cli(args, capsys)
     assert_one_line_error(code, err, "empty")
     assert sorted(p.name for p in here.iterdir()) == ["notes.txt"]
+
+
+@pytest.mark.parametrize("args", [["index", ""], ["index", " ", "--eos-id", "0"]], ids=["index", "index --eos-id"])
+def test_an_empty_index_source_says_what_to_give(args, capsys):
+    # Found by the newcomer review (round 4): `fastio index "$SRC"` with SRC unset said only 'source: empty', where
+    # convert, merge, verify and inspect name the way out (storage.url.refuse_empty, the one home of that rule).
+    code, _, err = run_cli(args, capsys)
+    assert code == 2 and err == (f"fastio: error: the path given is empty ({args[1]!r}): name the folder ('.' for the "
+                                 "current one)\n"), err

@@ -117,6 +117,22 @@ def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir,
     assert not re.search(r"^step \d+ ", third, re.MULTILINE), third
 
 
+def test_quickstart_on_a_split_smaller_than_a_batch_says_so_in_the_line_the_readme_quotes(tmp_path, warm):
+    """Found by the newcomer review (round 4): a folder of 80 images, converted as the README says, gave a ds/val of
+    8 samples, and the quickstart stopped with one line the README did not prepare for; it now says how large a
+    folder the quickstart needs and quotes that line."""
+    from fastio.convert.synthetic import make_imagefolder
+
+    make_imagefolder(tmp_path / "images", classes=4, per_class=20, seed=0)
+    subprocess.run([sys.executable, "-m", "fastio.cli", "convert", "images", "ds", "--split", "train=0.9,val=0.1",
+                    "--quiet"], cwd=tmp_path, check=True)
+    rc, out, err = warm.run(QUICKSTART, tmp_path)
+    line = "quickstart.py: error: ds/val: batch_size 16 is larger than the dataset (8 samples)"
+    assert rc == 2 and err.strip() == line, out + err
+    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
+    assert f"`{line}` (exit 2)" in readme
+
+
 def test_s3_example_against_a_local_s3_server(aws_env, s3_bucket, warm):
     """docs/storage.md's example (examples/s3.py): convert to s3://, load through the cache, checkpoint to
     s3://, restore in a new Checkpointer; the endpoint and credentials only in the environment (``aws_env``'s,

@@ -655,6 +655,17 @@ def test_index_dest_refuses_a_folder_fastio_did_not_make(tmp_path, capsys):
     assert run_cli(["index", str(tmp_path / "src"), "--dest", str(dest), "-q"], capsys)[0] == 0
 
 
+def test_merge_quotes_the_brace_pattern_and_paths_of_the_command_it_names(tmp_path, capsys):
+    # Found by the newcomer review (round 4): the command named for a missing part, pasted into bash, had its brace
+    # pattern expanded by the shell (and a path with a space split in two): it is quoted as the shell needs it.
+    for n in range(2):
+        _tar(tmp_path / "my src" / f"x{n}.tar")
+    pattern, dest = str(tmp_path / "my src" / "x{0..1}.tar"), tmp_path / "my dest"
+    assert run_cli(["index", pattern, "--dest", str(dest), "--part", "0/2", "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and f"index them (fastio index '{pattern}' --dest '{dest}' --part K/2)" in err, err
+
+
 def test_merge_names_fastio_index_for_the_missing_parts_of_an_index(tmp_path, capsys):
     for n in range(2):
         _tar(tmp_path / "src" / f"x{n}.tar")
@@ -900,7 +911,7 @@ def test_a_users_folder_named_shards_is_indexed(shards, tmp_path, capsys):
     code, _, err = run_cli(["index", str(ds / "shards")], capsys)
     assert code == 2 and f"{ds / 'shards'}: the shards/ folder of the dataset {ds}" in err, err
     code, _, err = run_cli(["index", str(ds), "--dest", str(tmp_path / "again")], capsys)
-    assert code == 2 and "holds no .tar files" in err, err
+    assert code == 2 and f"{ds}: a fastio dataset already (its shards/ are its own): nothing to index" in err, err
 
 
 def test_a_label_field_some_samples_lack_names_the_first_of_them(tmp_path, capsys):
@@ -1210,3 +1221,27 @@ def test_merge_help_and_its_no_parts_message_name_fastio_index_too(tmp_path, cap
     assert code == 0 and "fastio index" in " ".join(out.split()), out
     code, _, err = run_cli(["merge", str(tmp_path / "dest")], capsys)
     assert code == 2 and f"fastio index SOURCE --dest {tmp_path / 'dest'} --part K/N" in err, err
+
+
+def test_a_split_dest_or_a_converted_dataset_is_not_indexed_again(image_folder, tmp_path, capsys):
+    # Found by the newcomer review (round 4): `fastio index ds` on the DEST of `fastio convert images ds --split
+    # train=0.9,val=0.1` walked into ds/train/shards/ and ds/val/shards/ and published ds/manifest.json: ds became one
+    # dataset of train and val together (a Loader of it trained on the validation samples; inspect showed no splits).
+    # A converted dataset's own shards/ are not entered at any depth, and a split DEST is named as such.
+    ds = tmp_path / "out" / "ds"
+    assert run_cli(["convert", str(image_folder), str(ds), "--split", "train=0.75,val=0.25", "-q"], capsys)[0] == 0
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+    code, _, err = run_cli(["index", str(ds)], capsys)
+    assert code == 2 and err == (f"fastio: error: {ds}: holds the splits train, val of a fastio convert, each a "
+                                 f"dataset already: nothing to index; give {ds / 'train'} or {ds / 'val'} to the "
+                                 "Loader, verify or inspect\n"), err
+    code, _, err = run_cli(["index", str(ds / "train")], capsys)
+    assert code == 2 and err == (f"fastio: error: {ds / 'train'}: a fastio dataset already (its shards/ are its own): "
+                                 "nothing to index; give it to the Loader, verify or inspect as it is\n"), err
+    code, _, err = run_cli(["index", str(tmp_path / "out")], capsys)  # a folder holding converted datasets
+    assert code == 2 and err == f"fastio: error: {tmp_path / 'out'}: holds no .tar files\n", err
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+    (tmp_path / "mine").mkdir()
+    shutil.copy(next((ds / "train" / "shards").glob("*.tar")), tmp_path / "mine" / "a.tar")
+    (tmp_path / "mine" / "splits.json").write_text('{"my": "own file"}')  # not fastio's: the tars are indexed
+    assert run_cli(["index", str(tmp_path / "mine"), "-q"], capsys)[0] == 0

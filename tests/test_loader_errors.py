@@ -24,6 +24,7 @@ def _loader(dest, **kw):
 
 def test_dest_without_manifest(tmp_path):
     (tmp_path / "half").mkdir()
+    (tmp_path / "half" / "samples.fxi").write_bytes(b"")  # a folder with files but no manifest (an empty one is named)
     with pytest.raises(DatasetError, match=r"half: not a fastio dataset \(no manifest.json"):
         _loader(tmp_path / "half")
 
@@ -277,3 +278,13 @@ def test_a_config_that_is_not_a_loader_config_is_named(image_dataset, config):
                                                          rf"{type(config).__name__} .*: pass options as keywords, "
                                                          r"Loader\(dest, \*\*options\)$"):
         Loader(image_dataset, config)
+
+
+def test_a_mistyped_option_names_the_nearest_one(image_dataset):
+    # Found by the newcomer review (round 4): Loader(ds, batchsize=16) said "LoaderConfig.__init__() got an unexpected
+    # keyword argument 'batchsize'": a class the user never named, and no option to give instead.
+    with pytest.raises(fastio.LoaderArgumentError, match=r"^Loader got an unknown option batchsize=16: did you mean "
+                                                         r"batch_size\? \(the options: LoaderConfig's fields\)$"):
+        fastio.Loader(image_dataset, batchsize=16, device="cpu")
+    with pytest.raises(TypeError, match=r"^Loader got an unknown option zzz=1 \(the options: LoaderConfig's fields\)$"):
+        fastio.LoaderConfig(zzz=1)

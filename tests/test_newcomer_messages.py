@@ -64,6 +64,22 @@ def test_a_shard_inside_a_dataset_names_the_dataset(image_dataset):
         Dataset(image_dataset / "shards" / "shard-000000.tar")
 
 
+def test_a_file_of_a_dataset_names_its_folder(shards, capsys):
+    """Found by review (round 4): a shard of indexed WebDataset shards (beside their manifest) was told to run
+    `fastio index` on a folder that already is a dataset (which then refuses: 'pass --overwrite'); its manifest.json
+    said only 'a file, not a dataset', and `fastio inspect DS/manifest.json` read it as a mixture file."""
+    assert run_cli(["index", str(shards), "-q"], capsys)[0] == 0
+    for file in (shards / "shard-000000.tar", shards / "shard-000000.idx", shards / "manifest.json"):
+        with pytest.raises(DatasetError, match=rf"^{file}: a (shard|file) of the dataset {shards}: give the dataset "
+                                               rf"folder$"):
+            Dataset(file)
+    manifest = shards / "manifest.json"
+    for command in ("inspect", "verify"):
+        code, _, err = run_cli([command, str(manifest)], capsys)
+        assert code == 2 and err.strip() == (f"fastio: error: {manifest}: a file of the dataset {shards}: "
+                                             "give the dataset folder"), err
+
+
 def test_verify_on_unconverted_folders_names_the_command(shards, image_folder, capsys):
     code, _, err = run_cli(["verify", str(shards)], capsys)
     assert code == 2 and f"`fastio index {shards}`" in err and "interrupted" not in err, err
@@ -154,3 +170,45 @@ def test_skipped_lines_say_each_reason_once_then_how_many_more():
     assert lines == ["", "  3 inputs (a0.mp4, a1.mp4, a2.mp4): same reason", "  b0.jpg: reason 0", "  b1.jpg: reason 1",
                      "  b2.jpg: reason 2", "  b3.jpg: reason 3", "  ... and 3 more: fastio inspect DEST --skipped"]
     assert skipped_lines([], "x") == ""
+
+
+def test_index_of_an_image_folder_names_fastio_convert(image_folder, capsys):
+    # Found by the newcomer review (round 4): `fastio index images` said only 'holds no .tar files' (verify and
+    # inspect of the same folder name `fastio convert`).
+    code, _, err = run_cli(["index", str(image_folder)], capsys)
+    assert code == 2 and err == (f"fastio: error: {image_folder}: holds no .tar files but images: a folder of images "
+                                 f"is converted, not indexed: `fastio convert {image_folder} DEST`\n"), err
+
+
+def test_the_commands_named_for_a_folder_with_a_space_are_quoted(tmp_path, shards, image_folder, capsys):
+    # Found by the newcomer review (round 4): `fastio index my wds` (the command the message named, pasted) indexes
+    # two folders, 'my' and 'wds'.
+    spaced = shutil.move(shards, tmp_path / "my wds")
+    images = shutil.move(image_folder, tmp_path / "my images")
+    with pytest.raises(DatasetError, match=re.escape(f"make it one with `fastio index '{spaced}'`")):
+        Dataset(spaced)
+    with pytest.raises(DatasetError, match=re.escape(f"`fastio index '{spaced}'`, then give that folder")):
+        Dataset(spaced / "shard-000000.tar")
+    with pytest.raises(DatasetError, match=re.escape(f"convert it with `fastio convert '{images}' DEST`")):
+        Dataset(images)
+    code, _, err = run_cli(["index", str(images)], capsys)
+    assert code == 2 and f"`fastio convert '{images}' DEST`" in err, err
+
+
+def test_a_mistyped_dataset_folder_names_the_nearest_one(tmp_path, image_dataset, capsys):
+    # Found by the newcomer review (round 4): Loader('ds/trian') and `fastio verify ds/trian` said only 'no such
+    # dataset directory', beside a ds/train the user meant.
+    typo = image_dataset.parent / "dss"
+    with pytest.raises(DatasetError, match=rf"^{typo}: no such dataset directory \(did you mean {image_dataset}\?\)$"):
+        Dataset(typo)
+    code, _, err = run_cli(["verify", str(image_dataset.parent / "zzz")], capsys)
+    assert err == f"fastio: error: {image_dataset.parent / 'zzz'}: no such dataset directory\n", err
+
+
+def test_an_empty_folder_is_named_as_such(tmp_path, capsys):
+    # Found by the newcomer review (round 4): Loader('empty') said 'not a fastio dataset (no manifest.json; an
+    # interrupted conversion?)': nothing was ever converted there.
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DatasetError, match=rf"^{tmp_path / 'empty'}: an empty folder, not a dataset: give the "
+                                           rf"folder `fastio convert` or `fastio index` made$"):
+        Dataset(tmp_path / "empty")

@@ -294,3 +294,20 @@ def test_unmerged_parts_and_a_killed_merge_name_fastio_merge(tmp_path, image_fol
                               f"manifest.json), not a dataset; run `fastio merge {dest}` again to finish it")
     merge(dest)
     assert verify(dest).ok
+
+
+def test_merge_without_parts_says_whether_dest_is_missing_or_merged_already(tmp_path, image_folder, capsys):
+    # Found by the newcomer review (round 4): `fastio merge` of a folder that does not exist, and of a dataset that
+    # was merged already (its .parts/ removed), both said only 'no parts to merge (no .parts/)'.
+    from helpers import run_cli
+
+    code, _, err = run_cli(["merge", str(tmp_path / "nothing")], capsys)
+    assert code == 2 and err.startswith(f"fastio: error: {tmp_path / 'nothing'}: no such folder, so no parts to "
+                                        "merge; first write them: fastio convert SOURCE "), err
+    dest = tmp_path / "d"
+    for k in range(2):
+        convert(ConvertConfig(source=image_folder, dest=dest, part=(k, 2), workers=1))
+    assert run_cli(["merge", str(dest), "-q"], capsys)[0] == 0
+    code, _, err = run_cli(["merge", str(dest)], capsys)
+    assert code == 2 and err == (f"fastio: error: {dest}: a dataset already (merged, or converted in one run), and no "
+                                 "parts to merge: nothing to do\n"), err

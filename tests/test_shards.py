@@ -129,7 +129,7 @@ def test_dataset_errors_name_the_problem(tmp_path):
     with pytest.raises(DatasetError, match="no such dataset directory"):
         Dataset(tmp_path / "nope")
     (tmp_path / "empty").mkdir()
-    with pytest.raises(DatasetError, match="not a fastio dataset"):
+    with pytest.raises(DatasetError, match="an empty folder, not a dataset"):
         Dataset(tmp_path / "empty")
     _write(tmp_path / "ds", _samples(6), max_samples=3)
     (tmp_path / "ds" / "shards" / "shard-000001.tar").unlink()

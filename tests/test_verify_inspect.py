@@ -96,6 +96,7 @@ def test_decode_names_the_key_of_a_bad_image(tmp_path, image_folder, capsys):
 
 def test_verify_on_a_non_dataset_is_a_one_line_error(tmp_path, capsys):
     (tmp_path / "nothing").mkdir()
+    (tmp_path / "nothing" / "notes.txt").write_text("no dataset here")  # an empty folder is named as one
     with pytest.raises(DatasetError, match="not a fastio dataset"):
         verify(tmp_path / "nothing")
     assert cli(["verify", str(tmp_path / "nothing")]) == 2

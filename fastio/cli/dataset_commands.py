@@ -238,6 +238,14 @@ def _remote(dest: str) -> bool:
     return is_remote(dest)
 
 
+def _mixture_file(dest: str) -> bool:
+    """Whether ``fastio inspect DEST`` reads a mixture file: a ``.json`` that is not a folder, nor a dataset's own
+    ``manifest.json`` or ``splits.json`` (those are named as files of their dataset)."""
+    from fastio.dataset.manifest import MANIFEST_NAME, SPLITS_NAME
+
+    return dest.endswith(".json") and not Path(dest).is_dir() and Path(dest).name not in (MANIFEST_NAME, SPLITS_NAME)
+
+
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
                         image_token: str | None, messages_field: str | None, others: dict[str, Any]):
     """An image-text conversion's options (``--image-field`` given), refusing the token-only flags (``others``:
@@ -485,7 +493,7 @@ def inspect(dest: str, as_json: bool, max_images: int, order: bool, seed: int, e
     DEST is a folder or s3://bucket/prefix (shards are read through the node-local cache)."""
     from fastio.report.inspect import inspect as run_inspect
 
-    mixture = dest.endswith(".json") and not Path(dest).is_dir()  # a mixture file (docs/mixtures.md)
+    mixture = _mixture_file(dest)  # a mixture file (docs/mixtures.md)
     _check_size(cache_size, "cache_size")
     warn_idle_flags(click.get_current_context(), _inspect_idle(click.get_current_context(), mixture))
     if mixture:

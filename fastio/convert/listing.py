@@ -12,14 +12,17 @@ import json
 import math
 import os
 import re
+import shlex
 import stat
 import string
 from dataclasses import dataclass
 from pathlib import Path
 
 from fastio.convert.foreign_tar import COMPRESSED
+from fastio.dataset.files import dest_child, dest_split_names
 from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR
 from fastio.errors import DatasetError
+from fastio.formats.images import is_image_field
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.options import StorageOptions
@@ -197,6 +200,7 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
         if any(c in source for c in "*?["):
             raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
         raise DatasetError(f"{source}: no such folder")
+    _refuse_split_dest(source, options)
     own = owns_shards_dir(storage)
     if storage.remote:
         found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key, own)], []
@@ -214,18 +218,37 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
         if key.lower().endswith(".tar"):
             shards.append(s)
     if not shards:
-        raise _no_tars(source, [key for key, _ in found])
+        raise _no_tars(source, [key for key, _ in found], own)
     return storage, shards, skipped
 
 
-def _no_tars(source: str, keys: list[str]) -> DatasetError:
+def _refuse_split_dest(source: str, options) -> None:
+    """DatasetError for the DEST of ``fastio convert --split`` (its splits are datasets, in sub-folders whose
+    ``shards/`` a walk would otherwise enter: one dataset of them all, validation samples among the training ones)."""
+    try:
+        splits = dest_split_names(source, options)
+    except DatasetError:  # a splits.json that is not fastio's (the user's own file beside their tars)
+        return
+    if splits:
+        children = " or ".join(str(dest_child(source, name)) for name in splits)
+        raise DatasetError(f"{source}: holds the splits {', '.join(splits)} of a fastio convert, each a dataset "
+                           f"already: nothing to index; give {children} to the Loader, verify or inspect")
+
+
+def _no_tars(source: str, keys: list[str], own_shards: bool) -> DatasetError:
     """The refusal of a SOURCE without tars: one of Megatron pairs (directly in it) is named as such, with the
-    option that indexes them."""
+    option that indexes them; a fastio dataset (its own ``shards/`` not looked at) as one already."""
     names = {k for k in keys if "/" not in k}
     pairs = sum(1 for k in names if k.endswith(".bin") and k[:-len(".bin")] + ".idx" in names)
     if pairs:
         return DatasetError(f"{source}: holds Megatron .bin/.idx pairs ({pairs}), not .tar shards: index them as a "
                             "token dataset with eos_id=N, the id that ends every document (docs/tokens.md)")
+    if own_shards:
+        return DatasetError(f"{source}: a fastio dataset already (its shards/ are its own): nothing to index; give it "
+                            "to the Loader, verify or inspect as it is")
+    if any(is_image_field(key.rsplit("/", 1)[-1]) for key in keys if "." in key.rsplit("/", 1)[-1]):
+        return DatasetError(f"{source}: holds no .tar files but images: a folder of images is converted, not indexed: "
+                            f"`fastio convert {shlex.quote(source)} DEST`")
     return DatasetError(f"{source}: holds no .tar files")
 
 
@@ -268,6 +291,8 @@ def _walk_local(root: Path, own_shards: bool) -> tuple[list[tuple[str, int | Non
             if key.lower().endswith(".tar"):
                 found.append((key, _local_tar(display)))
             elif entry.is_dir(follow_symlinks=False):
+                if prefix and entry.name == SHARDS_DIR and owns_shards_dir(open_storage(folder)):
+                    continue  # a fastio dataset below SOURCE: its own shards (SOURCE's own: _listed)
                 visit(entry.path, key + "/")
             elif entry.is_symlink() and not os.path.isfile(entry.path):
                 what = "a link to a folder" if os.path.isdir(entry.path) else "a broken link"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shlex
 import shutil
 import time
 from dataclasses import dataclass, replace
@@ -42,7 +43,9 @@ from fastio.convert.token_convert import TOKEN_PLAN
 from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command
 from fastio.convert.wds_index import INDEX_PLAN, merge_index_parts
 from fastio.dataset.manifest import (
+    MANIFEST_NAME,
     SHARDS_DIR,
+    SPLITS_NAME,
     ImageTextInfo,
     Manifest,
     ShardRecord,
@@ -128,7 +131,7 @@ def merge(dest: str | Path, *, overwrite: bool = False, keep_parts: bool = False
     dest = _local_dest(dest)
     root = dest / PARTS_DIR
     if not root.is_dir():
-        raise ConvertError(f"{dest}: no parts to merge (no {PARTS_DIR}/); first write them: {_write_parts(dest)}")
+        raise _no_parts(dest)
     locks = [DirLock(dest, "fastio merge")]
     try:
         try:
@@ -231,12 +234,24 @@ def _rerun(dest: Path, n: int, records: list[PartRecord | None]) -> str:
     """How to make the missing parts: the command that made the others (an index's, or a conversion's)."""
     plan = next((r.plan for r in records if r is not None), {})
     if plan.get("kind") == INDEX_PLAN:
-        where = "" if plan.get("options", {}).get("in_place") else f" --dest {dest}"
-        return f"index them (fastio index {plan['source']['path']}{where} --part K/{n})"
+        where = "" if plan.get("options", {}).get("in_place") else f" --dest {shlex.quote(str(dest))}"
+        return f"index them (fastio index {shlex.quote(str(plan['source']['path']))}{where} --part K/{n})"
     if plan.get("kind") == TOKEN_PLAN:
         return f"convert them ({part_command(plan, dest, n)})"
     source = plan.get("source", {}).get("path", "SOURCE")
-    return f"convert them (fastio convert {source} {dest} --part K/{n} with the other parts' options)"
+    return (f"convert them (fastio convert {shlex.quote(str(source))} {shlex.quote(str(dest))} --part K/{n} with the "
+            "other parts' options)")
+
+
+def _no_parts(dest: Path) -> ConvertError:
+    """The refusal of a DEST without ``.parts/``: one that does not exist, or a dataset already (merged, whose parts
+    are removed), said as such."""
+    if (dest / MANIFEST_NAME).is_file() or (dest / SPLITS_NAME).is_file():
+        return ConvertError(f"{dest}: a dataset already (merged, or converted in one run), and no parts to merge: "
+                            "nothing to do")
+    if not dest.exists():
+        return ConvertError(f"{dest}: no such folder, so no parts to merge; first write them: {_write_parts(dest)}")
+    return ConvertError(f"{dest}: no parts to merge (no {PARTS_DIR}/); first write them: {_write_parts(dest)}")
 
 
 def _write_parts(dest: Path) -> str:

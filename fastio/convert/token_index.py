@@ -51,7 +51,7 @@ from fastio.storage.checksum import CHUNK, DIGESTS, sha256_file
 from fastio.storage.lease import Lease, LeaseLostError
 from fastio.storage.lock import DirLock, LockedError
 from fastio.storage.options import StorageOptions
-from fastio.storage.url import dest_location
+from fastio.storage.url import dest_location, refuse_empty
 from fastio.tokens.ids import IdScan
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
@@ -87,6 +87,7 @@ class TokenIndexConfig:
     refused (None: not known; the manifest records the largest id seen either way)."""
 
     def __post_init__(self) -> None:
+        refuse_empty(self.source)  # "$SRC" of an unset variable: the one message naming the way out
         if not str(self.source).strip():
             raise ValueError("source: empty")
         check_fields(self, config_error)

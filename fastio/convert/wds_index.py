@@ -99,7 +99,7 @@ from fastio.storage.checksum import digests_file
 from fastio.storage.lease import Lease, LeaseLostError
 from fastio.storage.lock import LockedError
 from fastio.storage.options import StorageOptions
-from fastio.storage.url import dest_location
+from fastio.storage.url import dest_location, refuse_empty
 from fastio.words import agree
 
 __all__ = ["IDX_KEPT", "IDX_LEDGER", "INDEX_PLAN", "IndexConfig", "IndexResult", "fastios_idx", "index_shards",
@@ -141,6 +141,7 @@ class IndexConfig:
     (DALI's CPU decoder's) or ``nvdec`` (as ``auto``); a member of another codec is named, not probed."""
 
     def __post_init__(self):
+        refuse_empty(self.source)  # "$SRC" of an unset variable: the one message naming the way out
         if not str(self.source).strip():
             raise ValueError("source: empty")
         if self.part is not None:

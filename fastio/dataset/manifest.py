@@ -8,6 +8,7 @@ Every field is validated with its type when read, so a damaged or hand-edited ma
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
 import os
@@ -616,35 +617,39 @@ def not_a_dataset(dest: Path) -> DatasetError:
     folder of tar shards, of Megatron pairs (a pair's file or data prefix too) or of images, a brace pattern or glob
     of tars (naming the command that makes it a dataset), a missing folder, or else an interrupted conversion."""
     if dest.is_file():
-        dataset = dest.parent.parent
-        if (dest.suffix.lower() in (".tar", ".bin", ".idx") and dest.parent.name == SHARDS_DIR
-                and (dataset / MANIFEST_NAME).is_file()):
-            return DatasetError(f"{dest}: a shard of the dataset {dataset}: give the dataset folder")
+        owner = _dataset_of_file(dest)
+        if owner is not None:
+            what = "shard" if dest.suffix.lower() in (".tar", ".bin", ".idx") else "file"
+            return DatasetError(f"{dest}: a {what} of the dataset {owner}: give the dataset folder")
         if dest.suffix.lower() == ".tar":
             return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
-                                f"shards one with `fastio index {dest.parent}`, then give that folder")
+                                f"shards one with `fastio index {shlex.quote(str(dest.parent))}`, then give that folder")
     pairs = _megatron_folder(dest)
     if pairs is not None and not (dest / MARKER_NAME).is_file():
         what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
             "a file of a Megatron .bin/.idx pair" if dest.is_file() else "a Megatron data prefix")
         return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
-                            f"{'it' if pairs == dest else 'its folder'} one with `fastio index {pairs} --eos-id N` "
+                            f"{'it' if pairs == dest else 'its folder'} one with "
+                            f"`fastio index {shlex.quote(str(pairs))} --eos-id N` "
                             "(N: the id that ends every document), then give that folder")
     if dest.is_file():
         return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
                             "or `fastio index`")
     if not dest.is_dir():
-        return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory")
+        return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory{_nearest(dest)}")
     unfinished = unfinished_run(dest)
     if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
         return unfinished
     holds = _holds(dest)
     if "tar" in holds:
         return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
-                            f"`fastio index {dest}`")
+                            f"`fastio index {shlex.quote(str(dest))}`")
     if "image" in holds:
-        return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with `fastio convert {dest} "
-                            "DEST`, then give DEST")
+        return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with "
+                            f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
+    if not any(os.scandir(dest)):
+        return DatasetError(f"{dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
+                            "`fastio index` made")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
 
 
@@ -678,6 +683,25 @@ def unfinished_split(dest: Path) -> DatasetError | None:
     return None
 
 
+def _nearest(dest: Path) -> str:
+    """`` (did you mean X?)`` naming the folder beside a missing ``dest`` whose name is nearest (a typo), or ''."""
+    try:
+        names = sorted(e.name for e in os.scandir(dest.parent or ".") if e.is_dir() and not e.name.startswith("."))
+    except OSError:
+        return ""
+    near = difflib.get_close_matches(dest.name, names[:_LOOK_AT], n=1)
+    return f" (did you mean {dest.parent / near[0]}?)" if near else ""
+
+
+def _dataset_of_file(file: Path) -> Path | None:
+    """The dataset (or --split DEST) a file belongs to: the folder holding it beside a manifest (shards indexed in
+    place, the manifest itself) or, for a file of a ``shards/`` folder, that folder's parent with a manifest."""
+    for folder in (file.parent, file.parent.parent) if file.parent.name == SHARDS_DIR else (file.parent,):
+        if (folder / MANIFEST_NAME).is_file() or (folder / SPLITS_NAME).is_file():
+            return folder
+    return None
+
+
 def _shard_pattern(dest: Path) -> DatasetError | None:
     """The error for a WebDataset shard spec (``wds/shard-{000..009}.tar``, what other loaders take) or a glob of
     tars given as a dataset, naming the ``fastio index`` command that makes their folder one; else None."""
@@ -688,7 +712,8 @@ def _shard_pattern(dest: Path) -> DatasetError | None:
     folder = text[:at].rsplit("/", 1)[0] if "/" in text[:at] else "."
     if (Path(folder) / MANIFEST_NAME).is_file():
         return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: their folder {folder} is one; give it")
-    command = f"fastio index '{text}'" if "{" in text else f"fastio index {folder}"  # fastio expands no globs
+    # fastio expands no globs: a glob names the folder, a brace pattern itself (quoted for the shell)
+    command = f"fastio index {shlex.quote(text)}" if "{" in text else f"fastio index {shlex.quote(folder)}"
     return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: a dataset is a folder; make its shards one "
                         f"with `{command}`, then give {folder}")
 
