@@ -23,6 +23,7 @@ writes shards or knows shard sizes.
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -142,6 +143,9 @@ def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None], mess
                 raise ConvertError(f"{where}: not UTF-8 text (byte {err.start})") from None
             except ValueError as err:
                 raise ConvertError(f"{where}: not a JSON object ({_json_reason(err)})") from None
+            except RecursionError:
+                raise ConvertError(f"{where}: JSON nested too deeply to read (over ~{sys.getrecursionlimit()} "
+                                   "levels of lists or objects)") from None
             if not isinstance(row, dict):
                 raise ConvertError(f"{where}: {_json_kind(row)}, not a JSON object")
             if field not in row:

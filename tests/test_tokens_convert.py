@@ -147,6 +147,8 @@ def test_hostile_inputs_named(tmp_path, tokenizer):
         "nofield.jsonl": (b'{"text": "ok"}\n{"body": "x"}\n', r"nofield\.jsonl:2: has no field 'text'"),
         "num.jsonl": (b'{"text": 3}\n', r"num\.jsonl:1: field 'text' is a number, not text"),
         "latin.txt": ("caf\xe9".encode("latin-1"), r"latin\.txt: not UTF-8 text \(byte 3\)"),
+        "deep.jsonl": (b'{"text": "ok"}\n{"text": ' + b"[" * 200_000 + b"]" * 200_000 + b"}\n",
+                       r"deep\.jsonl:2: JSON nested too deeply to read"),
     }
     for name, (data, message) in cases.items():
         (tmp_path / name).write_bytes(data)
