@@ -128,6 +128,8 @@ def _read_jsonl(f, source: Path) -> tuple[list[str], list[tuple[int, Row]]]:
             row = json.loads(line)
         except ValueError as err:
             raise ConvertError(f"{source}:{lineno}: unreadable table (invalid JSON: {err})") from None
+        except RecursionError:
+            raise ConvertError(f"{source}:{lineno}: unreadable table (JSON nested too deeply to read)") from None
         if not isinstance(row, dict):
             raise ConvertError(f"{source}:{lineno}: unreadable table (a line is a {type(row).__name__}, not an object)")
         columns.update(dict.fromkeys(row))

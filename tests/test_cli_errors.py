@@ -38,6 +38,9 @@ CASES = {
                                     ["t.csv:2: unreadable table"]),
     "unreadable jsonl": lambda t, f: ([str(table(t, "t.jsonl", "{bad json\n")), str(t / "out")],
                                       ["t.jsonl:1: unreadable table (invalid JSON"]),
+    "jsonl nested too deeply": lambda t, f: ([str(table(t, "d.jsonl", '{"path": ' + "[" * 200_000 + "]" * 200_000
+                                                        + "}\n")), str(t / "out")],
+                                             ["d.jsonl:1: unreadable table (JSON nested too deeply to read)"]),
     "unreadable parquet": lambda t, f: ([str(table(t, "t.parquet", "PAR1 no")), str(t / "out")],
                                         ["t.parquet: unreadable table"]),
     "path column names missing file": lambda t, f: (
