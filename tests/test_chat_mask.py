@@ -110,7 +110,8 @@ def test_bad_messages_and_template_failures_name_the_line_and_field(chat_files):
     encoder, _ = _encoder(tok, chat_config(root / "bad.json"))
     cases = [
         ([{"content": "hi"}], "c.jsonl:1: messages[0] has no 'role'"),
-        ([{"from": "human", "value": "hi"}], "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}) (ShareGPT's"),
+        ([{"from": "human", "value": "hi"}],
+         "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}) (ShareGPT's"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "c.jsonl:1: messages[1] has no 'content'"),
         ([{"role": "tool", "content": "hi"}], "c.jsonl:1: field 'messages': chat template "),
         ("hello", "c.jsonl:1: field 'messages' is str, not a list of messages"),

@@ -625,8 +625,6 @@ def test_a_wav_whose_data_chunk_says_0_bytes_is_stored_as_flac_or_skipped(tmp_pa
     """Such a WAV was stored as it is (PyAV probes its 16000 samples), and every Loader batch holding it then
     failed (DALI's decoder reads 0 of them). By default it is stored as FLAC, as other audio DALI does not read;
     with transcode='none' skipped, naming why; index leaves it unprobed with the reason."""
-    import fastio
-
     src = tmp_path / "src" / "c0"
     streamed_wav(src / "piped.wav")
     make_audio(src / "good.wav", "pcm_s16le", "wav", rate=16000, pitch=1000.0)
@@ -635,11 +633,7 @@ def test_a_wav_whose_data_chunk_says_0_bytes_is_stored_as_flac_or_skipped(tmp_pa
         check_media((src / "piped.wav").read_bytes(), "wav")
     result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
     assert result.samples == 2 and not result.skipped and result.transcoded == {"flac": {"pcm_s16le": 1}}
-    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=2,
-                shuffle="none") as ld:
-        b = next(iter(ld))
-        keys = [ld.key(int(i)) for i in b["index"]]
-    pitches = {k: tone_pitch(w, 16000) for k, w in zip(keys, b["audio"].numpy())}
+    pitches = _first_batch_pitches(tmp_path / "ds")
     assert abs(pitches["c0/piped"] - 440.0) < 25 and abs(pitches["c0/good"] - 1000.0) < 25, pitches
     result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
                                    transcode="none"))
@@ -652,6 +646,16 @@ def test_a_wav_whose_data_chunk_says_0_bytes_is_stored_as_flac_or_skipped(tmp_pa
     write_wds_tar(tmp_path / "wds" / "a-000000.tar", {"k0.wav": (src / "piped.wav").read_bytes(), "k0.cls": b"0"})
     result = index_shards(IndexConfig(source=tmp_path / "wds"))
     assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): its data chunk says 0 bytes")
+
+
+def _first_batch_pitches(dest: Path) -> dict[str, float]:
+    """Each key's tone pitch in the first batch of two 0.5 s clips at 16 kHz of the audio dataset ``dest``."""
+    import fastio
+
+    with loader(dest, fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=2, shuffle="none") as ld:
+        b = next(iter(ld))
+        keys = [ld.key(int(i)) for i in b["index"]]
+    return {k: tone_pitch(w, 16000) for k, w in zip(keys, b["audio"].numpy())}
 
 
 def streamed_flac(path: Path, pitch: float = 440.0) -> Path:
@@ -670,8 +674,6 @@ def test_a_flac_whose_streaminfo_says_0_samples_is_stored_as_flac_with_its_count
     """Such a FLAC was stored as it was (PyAV probes its 16000 samples) and every Loader batch holding it failed. By
     default it is re-encoded (stored as FLAC, now counting its samples), as other audio DALI does not read; with
     transcode='none' skipped, naming why."""
-    import fastio
-
     src = tmp_path / "src" / "c0"
     streamed_flac(src / "piped.flac")
     with pytest.raises(MediaCheckError, match=r"its STREAMINFO says 0 samples .*DALI's audio decoder reads none of "
@@ -680,11 +682,7 @@ def test_a_flac_whose_streaminfo_says_0_samples_is_stored_as_flac_with_its_count
     make_audio(src / "good.flac", "flac", "flac", rate=16000, pitch=1000.0)
     result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
     assert result.samples == 2 and not result.skipped and result.transcoded == {"flac": {"flac": 1}}
-    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=2,
-                shuffle="none") as ld:
-        b = next(iter(ld))
-        keys = [ld.key(int(i)) for i in b["index"]]
-    pitches = {k: tone_pitch(w, 16000) for k, w in zip(keys, b["audio"].numpy())}
+    pitches = _first_batch_pitches(tmp_path / "ds")
     assert abs(pitches["c0/piped"] - 440.0) < 25 and abs(pitches["c0/good"] - 1000.0) < 25, pitches
     result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
                                    transcode="none"))
