@@ -150,6 +150,11 @@ def _raw_loader(sources, weights, **kw):
     return Loader(Mixture(sources, weights=weights), **opts)
 
 
+def test_a_batch_larger_than_the_mixtures_epoch_names_the_mixture_not_a_dataset(raw_sources):
+    with pytest.raises(DatasetError, match=r"batch_size 60 is larger than the mixture's epoch \(50 samples\)$"):
+        _raw_loader(raw_sources, {"a": 1, "b": 1, "c": 1}, batch_size=60)
+
+
 def test_loader_batches_carry_source_and_index_in_the_mixture_order(raw_sources):
     loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
     assert len(loader.dataset) == 50 and len(loader) == 9
