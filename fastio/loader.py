@@ -365,12 +365,12 @@ class Loader:
         self._came_out = False  # whether a batch of the pipeline has come out
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         units = count(n, source.unit)
-        what = "dataset" if rs.mixture is None else "mixture's epoch"
         if cfg.batch_size > n:
-            raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the {what} ({units})")
+            raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the {rs.epoch_noun} "
+                               f"({units})")
         if cfg.drop_last and cfg.batch_size * plan_world > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
-                               f"{what} ({units}) and drop_last leaves no batch")
+                               f"{rs.epoch_noun} ({units}) and drop_last leaves no batch")
 
     def _place_device(self) -> None:
         """The device the Loader decodes on (and torch's device of its batches)."""

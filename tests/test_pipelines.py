@@ -370,3 +370,39 @@ def test_old_options_over_a_config_are_refused_naming_its_pipeline_object_change
     with pytest.raises(fastio.LoaderArgumentError, match=r"pipeline=fastio\.Tokens\(\.\.\.\) \(image_size: not options "
                                                          r"of Tokens\)$"):
         fastio.Loader(image_ds, tokens, image_size=16)  # a kind without image options: naming none of its own
+
+
+_STRIP_PEAK = """
+import io, resource, sys
+from PIL import Image
+import fastio
+from fastio.dataset.shards import ShardWriter
+dest = sys.argv[1]
+with ShardWriter(dest, max_samples=8) as w:
+    for key, size in (("strip", (3000, 1)), ("photo", (64, 48))):
+        buf = io.BytesIO()
+        Image.new("RGB", size, (200, 40, 90)).save(buf, "JPEG", quality=95)
+        w.write({"__key__": key, "jpg": buf.getvalue(), "cls": b"0"})
+    w.close(image_field="jpg", label_field="cls", converted_from={"format": "test"}, skipped=[])
+with fastio.Loader(dest, batch_size=2, pipeline=fastio.ImageEval(size=224), device="cpu", shuffle="none") as ld:
+    ld.key(0)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    batch = next(iter(ld))
+    grew = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+keys = [ld.key(int(i)) for i in batch["index"]]
+print(tuple(batch["image"].shape), grew // 1024, keys)
+"""
+
+
+def test_image_eval_of_a_strip_is_bounded_and_its_crop_padded(tmp_path):
+    """A 3000 x 1 strip was resized by its shorter side to 768000 x 256 (590 MB and seconds of CPU; a 1 x 10000 one
+    at 336 needs 4.4 GB, a GPU out of memory): the longer side is now capped at MAX_RESIZED and the crop padded."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _STRIP_PEAK, str(tmp_path / "ds")], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("(2, 3, 224, 224) "), line
+    assert int(line.split(") ", 1)[1].split(" ")[0]) < 200, line  # MiB the first batch added to the peak

@@ -328,7 +328,8 @@ class ImageTrain(_Image):
 @dataclass(frozen=True)
 class ImageEval(_Image):
     """Evaluation images: the shorter side resized to ``size / crop_ratio``, then the center ``size`` x ``size``
-    crop, normalised; no randomness.
+    crop, normalised; no randomness. The longer side is resized to :data:`MAX_RESIZED` at most (an image over 64:1
+    at ``size`` 224, a strip: its crop padded with zeros where the resized image is narrower than it).
 
     ``fastio.ImageEval(size=224, crop_ratio=0.875)``.
     """
@@ -346,6 +347,9 @@ class ImageEval(_Image):
         from nvidia.dali import fn
 
         img = fn.decoders.image(inp["encoded"], **self._decoder(decoder_device))
-        img = fn.resize(img, resize_shorter=self.size / self.crop_ratio, antialias=True)
-        img = fn.crop_mirror_normalize(img, crop=(self.size, self.size), **self._normalize())
+        # max_size: a strip (1 x 3000) resized by its shorter side would be 256 x 768000 (590 MB, seconds); capped,
+        # its center crop is padded where the strip is narrower than it (only images over 64:1 at 224)
+        img = fn.resize(img, resize_shorter=self.size / self.crop_ratio, max_size=MAX_RESIZED, antialias=True)
+        img = fn.crop_mirror_normalize(img, crop=(self.size, self.size), out_of_bounds_policy="pad",
+                                       **self._normalize())
         return img, inp["index"]

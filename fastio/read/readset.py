@@ -17,7 +17,7 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -64,6 +64,9 @@ class ReadSet:
     ``options``: the Loader's :class:`~fastio.read.options.Options` (reader threads, the shuffle, the shards' cache,
     checks and read-ahead); ``batch_size``: the samples of one batch of a rank (what a cache's working set is
     counted in)."""
+
+    epoch_noun: ClassVar[str] = "dataset"
+    """What an epoch reads, in messages (``batch_size 64 is larger than the dataset``)."""
 
     def __init__(self, target: Dataset | Mixture, names: Sequence[str], datasets: Sequence[Dataset],
                  pipeline: Reads, options: Options, batch_size: int):
@@ -268,6 +271,8 @@ class DatasetReadSet(ReadSet):
 class MixtureReadSet(ReadSet):
     """A :class:`~fastio.Mixture`: ids are mixture ids (source ``s``'s sample ``i`` is ``base[s] + i``), in the
     mixture's order; batches carry ``source`` and ``index``; its state entry names sources, weights, length."""
+
+    epoch_noun: ClassVar[str] = "mixture's epoch"
 
     def __init__(self, mixture: Mixture, pipeline: Reads, options: Options, batch_size: int):
         super().__init__(mixture, mixture.names, mixture.datasets, pipeline, options, batch_size)
