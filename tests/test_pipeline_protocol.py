@@ -214,7 +214,8 @@ class Reads(fastio.Pipeline):
     returned: str = "tuple"
 
     def read_fields(self, ds, fields):
-        return {"tuple": ("jpg",), "none image": ReadFields(tuple(fields), image=(None,))}[self.returned]
+        return {"tuple": ("jpg",), "none image": ReadFields(tuple(fields), image=(None,)),
+                "no unit": ReadFields(tuple(fields), per_unit=0)}[self.returned]
 
 
 @pytest.mark.parametrize("mixed", [False, True])
@@ -231,6 +232,7 @@ def test_a_kind_that_reads_no_stored_sample_keeps_no_default_source(image_datase
     ("tuple", r"Reads.read_fields returned a tuple \('jpg',\), not a ReadFields or None"),
     ("none image", r"Reads.read_fields returned a ReadFields whose image holds None, not a field name: "
                    r"\(None,\)"),
+    ("no unit", r"Reads.read_fields returned a ReadFields whose per_unit is 0, not a whole number >= 1"),
 ])
 def test_read_fields_that_name_no_fields_are_named(image_dataset, returned, said):
     """A tuple was a bare AttributeError ("'tuple' object has no attribute 'fields'") from the read set; the page's

@@ -261,3 +261,51 @@ def test_block_windows_at_a_padded_last_batch_and_the_next_epoch_fit_the_cache_a
                 loader.load_state_dict(state)
             got = [i for b in loader for i, pad in zip(b["index"].tolist(), b["padded"].tolist()) if not pad]
             assert len(got) == len(set(got)) == (41 if epoch == 2 else 48) and set(got) <= set(range(48)), epoch
+
+
+@pytest.mark.parametrize("n,seq_len,batch_size", [(24, 1023, 4), (80, 255, 2)])
+def test_an_image_text_batch_reads_every_conversation_packed_into_its_sequences(moto_server, s3_bucket, tmp_path, n,
+                                                                                 seq_len, batch_size):
+    """fastio.ImageText packs several conversations (stored samples) into each sequence, so one batch of
+    ``batch_size`` sequences reads many more stored samples than ``batch_size``; the working set was counted in
+    sequences: a cache of the smallest size the check accepted failed mid-epoch ('no room for shard ...'). Now
+    counted in the stored samples a batch can read at most (the pipeline's bound); at the smallest size accepted
+    every epoch runs, also resumed mid-epoch, and gives the local batches: where a sequence holds a shard's 4
+    conversations (the first case) and where the bound is a part of the dataset (the second)."""
+    from resume import same_batch
+    from tokens_helpers import image_text_source
+
+    import fastio
+    from fastio.convert.image_text import ImageTextOptions, convert_image_text
+    from fastio.convert.run import ConvertConfig
+
+    src = image_text_source(tmp_path, n=n)
+    local = tmp_path / "ds"
+    convert_image_text(ConvertConfig(src["source"], local, workers=1, max_samples_per_shard=4),
+                       ImageTextOptions(src["tokenizer"], src["config"]))
+    url = f"s3://{s3_bucket}/vlm"
+    _upload(local, url, moto_server.options())
+    pipe = fastio.ImageText(image=fastio.ImageEval(size=8, dtype="uint8", crop_ratio=1.0), seq_len=seq_len,
+                            image_seq_len=12, window=16)
+    opts = dict(batch_size=batch_size, device="cpu", pipeline=pipe, shuffle="none", shard_read_ahead=0,
+                reader_threads=1, num_threads=1, seed=3)
+    with pytest.raises(StorageError) as err:
+        fastio.Loader(url, cache_dir=str(tmp_path / "c0"), cache_size=1, storage_options=moto_server.options(), **opts)
+    smallest = parse_size(re.search(r"raise cache_size to at least (\S+ [kM]?B)", str(err.value))[1])
+
+    def epochs(where, start: int, **more) -> list[dict]:
+        """Two epochs from ``start`` sequences into the first (a resume at a position a batch does not start at)."""
+        with fastio.Loader(where, **opts, **more) as loader:
+            if start:
+                state = loader.state_dict()
+                state["consumed"] = start
+                loader.load_state_dict(state)
+            return [b for _ in range(2) for b in loader]
+
+    for start in (0, 3):
+        want = epochs(local, start)
+        got = epochs(url, start, cache_dir=str(tmp_path / f"cache{start}"), cache_size=smallest,
+                     storage_options=moto_server.options())
+        assert len(got) == len(want) > 2
+        assert all(same_batch(a, b) for a, b in zip(got, want))
+    assert (smallest < _largest(local, n // 4)) == (n == 80)  # the second case's bound: 6 of its 20 shards

@@ -117,17 +117,19 @@ class ImageText(Pipeline):
         return dataclasses.replace(self, image=evaluation_of(self.image))
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None:
-        """Each sample's ``tokens.i32``, ``mask.bits`` and images (optional fields: a sample has 0..n); None for a
-        token dataset (a mixture's source: its shards are read by a token reader; alone, :meth:`source` refuses it);
-        DatasetError naming ``ds`` for any other dataset."""
+        """Each sample's ``tokens.i32``, ``mask.bits`` and images (optional fields: a sample has 0..n), as many
+        samples a sequence as it can hold (``per_unit``: :func:`~fastio.tokens.image_text.samples_per_sequence`);
+        None for a token dataset (a mixture's source: its shards are read by a token reader; alone, :meth:`source`
+        refuses it); DatasetError naming ``ds`` for any other dataset."""
         from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD
-        from fastio.tokens.image_text import image_members, image_token_id
+        from fastio.tokens.image_text import image_members, image_token_id, samples_per_sequence
 
         if ds.manifest.tokens is not None:
             return None
         image_token_id(ds)
         images = image_members(ds)
-        return ReadFields((TOKENS_FIELD, MASK_FIELD, *images), optional=images)
+        per_sequence = samples_per_sequence(ds, self.seq_len, self.image_seq_len, self.window)
+        return ReadFields((TOKENS_FIELD, MASK_FIELD, *images), optional=images, per_unit=per_sequence)
 
     def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The dataset's samples packed, the order of the sequences on ``place``'s rank and an

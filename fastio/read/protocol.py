@@ -74,6 +74,10 @@ class ReadFields:
     """Fields a sample may lack (read as empty bytes)."""
     transcode: Callable[[np.ndarray], np.ndarray] | None = None
     """Applied to each image's bytes in the reader thread."""
+    per_unit: int = 1
+    """Stored samples one of the kind's units (a row of its batch) reads at most: 1 where the unit is a stored
+    sample, the conversations a packed sequence can hold for :class:`fastio.ImageText`. An ``s3://`` dataset's
+    cache is sized for ``batch_size * per_unit`` stored samples a batch (:mod:`fastio.read.working_set`)."""
 
 
 @dataclass(frozen=True)
@@ -192,4 +196,8 @@ def read_fields_of(pipeline: Reads, ds: Dataset, fields: Sequence[str]) -> ReadF
             raise LoaderArgumentError(f"{name} returned a ReadFields whose {part} holds "
                                       f"{next((f for f in names if not isinstance(f, str) or not f), names)!r}, not "
                                       f"a field name: {names!r:.80} (for {ds.root})")
+    per_unit = getattr(wanted, "per_unit", 1)
+    if isinstance(per_unit, bool) or not isinstance(per_unit, int) or per_unit < 1:
+        raise LoaderArgumentError(f"{name} returned a ReadFields whose per_unit is {per_unit!r}, not a whole number "
+                                  f">= 1 (the stored samples one unit reads at most; for {ds.root})")
     return wanted

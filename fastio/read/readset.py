@@ -35,7 +35,7 @@ from fastio.read.mixture import (
     renewed_mixture_state,
 )
 from fastio.read.options import Options
-from fastio.read.protocol import Delivery, FieldChoice, Reads, read_fields_of
+from fastio.read.protocol import Delivery, FieldChoice, ReadFields, Reads, read_fields_of
 from fastio.read.reader import ReadBatch, Reader, parse_labels, sample_where
 from fastio.read.working_set import Reading, Shards, check_shared_working_set, check_working_set
 from fastio.words import count
@@ -62,8 +62,8 @@ class _Source:
 class ReadSet:
     """What the Loader reads (see the module docstring). ``target`` is the :class:`Dataset` or :class:`Mixture`;
     ``options``: the Loader's :class:`~fastio.read.options.Options` (reader threads, the shuffle, the shards' cache,
-    checks and read-ahead); ``batch_size``: the samples of one batch of a rank (what a cache's working set is
-    counted in)."""
+    checks and read-ahead); ``batch_size``: the units of one batch of a rank (a cache's working set counts
+    each as the stored samples its kind's ``ReadFields.per_unit`` says it reads)."""
 
     epoch_noun: ClassVar[str] = "dataset"
     """What an epoch reads, in messages (``batch_size 64 is larger than the dataset``)."""
@@ -76,10 +76,11 @@ class ReadSet:
         labels = [ds.label_field for ds in datasets]
         shared = [f for f in datasets[0].fields if all(f in ds.fields for ds in datasets)]
         choice = FieldChoice.of(pipeline.fields, pipeline.default_fields, labels, shared)
-        readings = _readings(self.names, options, batch_size, self.mixture is not None)
+        wanted = self._wanted(datasets, choice)
+        readings = _readings(self.names, options, batch_size, self.mixture is not None, wanted)
         depth = _check_shared_caches(self.names, datasets, options, readings)
         self.reader_threads: int = options.performance.reader_threads
-        self.sources = self._open(datasets, choice, options, depth, readings)
+        self.sources = self._open(datasets, choice, options, depth, readings, wanted)
         first = self.sources[0]
         named = {s.label_field for s in self.sources}
         self.label_column: str | None = first.label_field if choice.label and len(named) == 1 else None
@@ -93,9 +94,26 @@ class ReadSet:
 
     # -- opening --------------------------------------------------------------------------------------
 
+    def _wanted(self, datasets: Sequence[Dataset], choice) -> dict[str, ReadFields | None]:
+        """What the pipeline reads of each dataset (by name): ``choice``'s fields and its own label field (None: no
+        stored sample; a DatasetError, named by the read set, for a dataset lacking them)."""
+        wanted: dict[str, ReadFields | None] = {}
+        for name, ds in zip(self.names, datasets):
+            try:
+                if choice.label and ds.label_field is None:  # another field of the same name is not its label
+                    ds.require_fields([*choice.others, choice.asked])  # lacking it altogether: named by field
+                    raise DatasetError(f"{ds.root}: dataset has no label field, and the mixture's labels "
+                                       f"({choice.asked!r} of the others) are wanted; index it with "
+                                       "--label-field, or leave labels out with pipeline=fastio.Raw(fields=...)")
+                fields = [*choice.others, ds.label_field] if choice.label else list(choice.others)
+                wanted[name] = read_fields_of(self.pipeline, ds, fields)
+            except DatasetError as err:
+                raise self._named(name, err) from None
+        return wanted
+
     def _open(self, datasets: Sequence[Dataset], choice, options: Options, depth: dict[str, int],
-              readings: dict[str, Reading]) -> list[_Source]:
-        """One source per dataset, each reading ``choice``'s fields and its own label field; the datasets share
+              readings: dict[str, Reading], wanted: dict[str, ReadFields | None]) -> list[_Source]:
+        """One source per dataset, reading what ``wanted`` names of it (:meth:`_wanted`); the datasets share
         ``options.performance.reader_threads`` (each reads its part of every batch, in parallel with the others); ``depth``:
         the shard read-ahead that sources sharing a cache have room for, by name; ``readings``: how each is read."""
         threads = _threads_per_source(options, len(datasets))
@@ -103,13 +121,7 @@ class ReadSet:
         try:
             for name, ds in zip(self.names, datasets):
                 try:
-                    if choice.label and ds.label_field is None:  # another field of the same name is not its label
-                        ds.require_fields([*choice.others, choice.asked])  # lacking it altogether: named by field
-                        raise DatasetError(f"{ds.root}: dataset has no label field, and the mixture's labels "
-                                           f"({choice.asked!r} of the others) are wanted; index it with "
-                                           "--label-field, or leave labels out with pipeline=fastio.Raw(fields=...)")
-                    fields = [*choice.others, ds.label_field] if choice.label else list(choice.others)
-                    sources.append(_open_source(ds, self.pipeline, fields, threads, options, readings[name],
+                    sources.append(_open_source(ds, wanted[name], threads, options, readings[name],
                                                 ds.label_field if choice.label else None, depth.get(name)))
                 except DatasetError as err:
                     raise self._named(name, err) from None
@@ -355,23 +367,28 @@ def _threads_per_source(options: Options, sources: int) -> int:
     return -(-options.performance.reader_threads // sources)
 
 
-def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: bool) -> dict[str, Reading]:
-    """How each source is read, for its cache's working set: a batch of ``batch_size`` samples (at most: a
-    source's part of a mixture's batch), as many at once as its reader threads read (at most the feeder's
+def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: bool,
+              wanted: dict[str, ReadFields | None]) -> dict[str, Reading]:
+    """How each source is read, for its cache's working set: a batch of ``batch_size`` units (at most: a
+    source's part of a mixture's batch), each reading up to its ``wanted`` ``per_unit`` stored samples (a packed
+    sequence's conversations), as many batches at once as its reader threads read (at most the feeder's
     ``read_ahead`` batches and the one it waits for); a token reader's threads hold one shard each, of any source."""
     order, threads, batches = options.order, _threads_per_source(options, len(names)), options.performance.read_ahead + 2
     holders = min(options.performance.reader_threads, batches)  # a token reader's threads: one shard each
-    return {name: Reading(order.shuffle, order.block_shards, batch_size, min(threads, batches), runs=2 if mixture else 1,
-                          threads_hint=not mixture, holders=holders) for name in names}
+
+    def samples(name: str) -> int:
+        return batch_size * (wanted[name].per_unit if wanted[name] is not None else 1)
+
+    return {name: Reading(order.shuffle, order.block_shards, samples(name), min(threads, batches),
+                          runs=2 if mixture else 1, threads_hint=not mixture, holders=holders) for name in names}
 
 
-def _open_source(ds: Dataset, pipeline: Reads, fields: list[str], threads: int, options: Options, reading: Reading,
+def _open_source(ds: Dataset, wanted: ReadFields | None, threads: int, options: Options, reading: Reading,
                  label_field: str | None, read_ahead: int | None = None) -> _Source:
-    """The reader of ``ds`` for ``pipeline`` delivering ``fields`` (none where the pipeline reads no stored
-    sample: then only its shard source), with at most ``read_ahead`` shards read ahead (default
+    """The reader of what ``wanted`` names of ``ds`` (none where the pipeline reads no stored sample: then only
+    its shard source), with at most ``read_ahead`` shards read ahead (default
     ``options.shards.shard_read_ahead``; fewer where the cache has no room for them); ``reading``: how its batches
     are read (its cache's working set)."""
-    wanted = read_fields_of(pipeline, ds, fields)
     need = None
     shards = options.shards
     depth = shards.shard_read_ahead if read_ahead is None else read_ahead

@@ -48,7 +48,8 @@ class Reading:
     shuffle: str
     block_shards: int
     batch_size: int
-    """Samples of one of this rank's batches."""
+    """Stored samples one of this rank's batches reads at most: the Loader's ``batch_size`` times the kind's
+    ``ReadFields.per_unit`` (a packed sequence reads several)."""
     batches: int = 1
     """Batches read at once: the reader threads, at most ``read_ahead + 2`` (the batches whose reads the feeder
     started ahead, and the one it waits for)."""

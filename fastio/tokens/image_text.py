@@ -139,6 +139,14 @@ def _refuse_unpackable(ds: Dataset, tables: list[SampleCosts], seq_len: int, ima
                            f"sequence: a sample is never cut; raise max_images to at least {int(images.max())}")
 
 
+def samples_per_sequence(ds: Dataset, seq_len: int, image_seq_len: int, window: int) -> int:
+    """The most samples of ``ds`` one packed sequence can hold: as many of its cheapest sample as fit in
+    ``seq_len + 1`` tokens, at most a block's ``window`` (best-fit packs each block on its own); at least 1."""
+    costs = [t.lengths for t in _shard_costs(ds, image_seq_len)[0] if t.documents]
+    least = int(min(c.min() for c in costs)) if costs else 1
+    return max(1, min(window, (seq_len + 1) // least if least > 0 else window))
+
+
 def image_text_packing(ds: Dataset, seq_len: int, image_seq_len: int, max_images: int | None, window: int,
                        spec: SamplerSpec) -> BestFitPacking:
     """The best-fit packing of ``ds``'s samples that ``spec``'s seed and shuffle draw (see the module docstring);
