@@ -263,16 +263,9 @@ def test_block_windows_at_a_padded_last_batch_and_the_next_epoch_fit_the_cache_a
             assert len(got) == len(set(got)) == (41 if epoch == 2 else 48) and set(got) <= set(range(48)), epoch
 
 
-@pytest.mark.parametrize("n,seq_len,batch_size", [(24, 1023, 4), (80, 255, 2)])
-def test_an_image_text_batch_reads_every_conversation_packed_into_its_sequences(moto_server, s3_bucket, tmp_path, n,
-                                                                                 seq_len, batch_size):
-    """fastio.ImageText packs several conversations (stored samples) into each sequence, so one batch of
-    ``batch_size`` sequences reads many more stored samples than ``batch_size``; the working set was counted in
-    sequences: a cache of the smallest size the check accepted failed mid-epoch ('no room for shard ...'). Now
-    counted in the stored samples a batch can read at most (the pipeline's bound); at the smallest size accepted
-    every epoch runs, also resumed mid-epoch, and gives the local batches: where a sequence holds a shard's 4
-    conversations (the first case) and where the bound is a part of the dataset (the second)."""
-    from resume import same_batch
+def _image_text_on_s3(tmp_path: Path, url: str, options: dict, n: int, seq_len: int):
+    """``n`` conversations (tests.tokens_helpers.image_text_source) in shards of 4, converted and uploaded to
+    ``url``; returns (the local dataset, an ImageText pipeline of ``seq_len``)."""
     from tokens_helpers import image_text_source
 
     import fastio
@@ -283,10 +276,26 @@ def test_an_image_text_batch_reads_every_conversation_packed_into_its_sequences(
     local = tmp_path / "ds"
     convert_image_text(ConvertConfig(src["source"], local, workers=1, max_samples_per_shard=4),
                        ImageTextOptions(src["tokenizer"], src["config"]))
+    _upload(local, url, options)
+    return local, fastio.ImageText(image=fastio.ImageEval(size=8, dtype="uint8", crop_ratio=1.0), seq_len=seq_len,
+                                   image_seq_len=12, window=16)
+
+
+@pytest.mark.parametrize("n,seq_len,batch_size", [(24, 1023, 4), (80, 255, 2)])
+def test_an_image_text_batch_reads_every_conversation_packed_into_its_sequences(moto_server, s3_bucket, tmp_path, n,
+                                                                                 seq_len, batch_size):
+    """fastio.ImageText packs several conversations (stored samples) into each sequence, so one batch of
+    ``batch_size`` sequences reads many more stored samples than ``batch_size``; the working set was counted in
+    sequences: a cache of the smallest size the check accepted failed mid-epoch ('no room for shard ...'). Now
+    counted in the stored samples a batch can read at most (the pipeline's bound); at the smallest size accepted
+    every epoch runs, also resumed mid-epoch, and gives the local batches: where a sequence holds a shard's 4
+    conversations (the first case) and where the bound is a part of the dataset (the second)."""
+    from resume import same_batch
+
+    import fastio
+
     url = f"s3://{s3_bucket}/vlm"
-    _upload(local, url, moto_server.options())
-    pipe = fastio.ImageText(image=fastio.ImageEval(size=8, dtype="uint8", crop_ratio=1.0), seq_len=seq_len,
-                            image_seq_len=12, window=16)
+    local, pipe = _image_text_on_s3(tmp_path, url, moto_server.options(), n, seq_len)
     opts = dict(batch_size=batch_size, device="cpu", pipeline=pipe, shuffle="none", shard_read_ahead=0,
                 reader_threads=1, num_threads=1, seed=3)
     with pytest.raises(StorageError) as err:
@@ -309,3 +318,24 @@ def test_an_image_text_batch_reads_every_conversation_packed_into_its_sequences(
         assert len(got) == len(want) > 2
         assert all(same_batch(a, b) for a, b in zip(got, want))
     assert (smallest < _largest(local, n // 4)) == (n == 80)  # the second case's bound: 6 of its 20 shards
+
+
+def test_a_packed_kind_is_told_shuffle_none_not_block_when_its_cache_is_too_small(moto_server, s3_bucket, tmp_path):
+    """fastio.ImageText (and fastio.Tokens) read shuffle 'global' or 'none' only, but a cache too small for
+    'global' said "use shuffle='block' with block_shards=1 with cache_size at least ...", which the kind then
+    refused ("shuffle for packed tokens must be one of global, none"). Now it names shuffle='none' and the size
+    that holds it; at that size the Loader is made and reads its epoch."""
+    import fastio
+
+    url = f"s3://{s3_bucket}/vlm"
+    local, pipe = _image_text_on_s3(tmp_path, url, moto_server.options(), 80, 255)
+    opts = dict(batch_size=2, device="cpu", pipeline=pipe, shard_read_ahead=0, reader_threads=1, num_threads=1,
+                storage_options=moto_server.options())
+    with pytest.raises(StorageError) as err:
+        fastio.Loader(url, cache_dir=str(tmp_path / "c0"), cache_size="50kB", **opts)
+    assert "block" not in str(err.value), str(err.value)
+    named = re.search(r", or use shuffle='none' with cache_size at least (\S+ [kM]?B)$", str(err.value))
+    assert named and parse_size(named[1]) < _largest(local, 20), str(err.value)
+    with fastio.Loader(url, cache_dir=str(tmp_path / "c1"), cache_size=named[1], shuffle="none", **opts) as loader:
+        got = sorted(i for b in loader for i, pad in zip(b["index"].tolist(), b["padded"].tolist()) if not pad)
+    assert got == list(range(len(got))) and len(got) > 20

@@ -422,6 +422,9 @@ class Pipeline:
     default_fields: ClassVar[str] = "label"
     """What is delivered when ``fields`` is None (:data:`fastio.read.protocol.DEFAULT_FIELDS`)."""
     fields: tuple[str, ...] | None = None
+    shuffles: ClassVar[tuple[str, ...]] = ("global", "block", "none")
+    """The ``shuffle`` modes the kind reads (a packed kind: ``global`` and ``none``); a cache refusal suggests no
+    other."""
     whole_batch: ClassVar[tuple[str, ...]] = ()
     """Entries of :meth:`assemble`'s batch that are not one row per unit (a packed batch's ``cu_seqlens``): the
     Loader checks every other tensor and list is as long as the batch."""

@@ -72,6 +72,7 @@ class ImageText(Pipeline):
 
     kind: ClassVar[str] = "image-text"
     default_fields: ClassVar[str] = "none"
+    shuffles: ClassVar[tuple[str, ...]] = ("global", "none")
     whole_batch: ClassVar[tuple[str, ...]] = ("cu_seqlens", "image_rows", "image_starts", "images")
     image: ImageTrain | ImageEval = ImageTrain(size=336)
     """What decodes and augments each image (:class:`fastio.ImageTrain` or :class:`fastio.ImageEval`, any size,

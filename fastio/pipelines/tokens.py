@@ -50,6 +50,7 @@ class Tokens(Pipeline):
 
     kind: ClassVar[str] = "tokens"
     default_fields: ClassVar[str] = "none"
+    shuffles: ClassVar[tuple[str, ...]] = ("global", "none")
     whole_batch: ClassVar[tuple[str, ...]] = ("cu_seqlens",)
     seq_len: int = 2048
     """Tokens of input per sequence (each sequence holds ``seq_len + 1``: one of overlap with the next)."""

@@ -177,6 +177,8 @@ class Reads(Protocol):
 
     fields: tuple[str, ...] | None
     default_fields: ClassVar[str]
+    shuffles: ClassVar[tuple[str, ...]]
+    """The ``shuffle`` modes it reads (what a cache refusal may suggest)."""
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None: ...
 

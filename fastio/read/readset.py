@@ -77,7 +77,8 @@ class ReadSet:
         shared = [f for f in datasets[0].fields if all(f in ds.fields for ds in datasets)]
         choice = FieldChoice.of(pipeline.fields, pipeline.default_fields, labels, shared)
         wanted = self._wanted(datasets, choice)
-        readings = _readings(self.names, options, batch_size, self.mixture is not None, wanted)
+        readings = _readings(self.names, options, batch_size, self.mixture is not None, wanted,
+                             "block" in getattr(pipeline, "shuffles", ("block",)))
         depth = _check_shared_caches(self.names, datasets, options, readings)
         self.reader_threads: int = options.performance.reader_threads
         self.sources = self._open(datasets, choice, options, depth, readings, wanted)
@@ -368,11 +369,12 @@ def _threads_per_source(options: Options, sources: int) -> int:
 
 
 def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: bool,
-              wanted: dict[str, ReadFields | None]) -> dict[str, Reading]:
+              wanted: dict[str, ReadFields | None], block: bool = True) -> dict[str, Reading]:
     """How each source is read, for its cache's working set: a batch of ``batch_size`` units (at most: a
     source's part of a mixture's batch), each reading up to its ``wanted`` ``per_unit`` stored samples (a packed
     sequence's conversations), as many batches at once as its reader threads read (at most the feeder's
-    ``read_ahead`` batches and the one it waits for); a token reader's threads hold one shard each, of any source."""
+    ``read_ahead`` batches and the one it waits for); a token reader's threads hold one shard each, of any source;
+    ``block``: whether the kind reads ``shuffle='block'`` (a refusal suggests it only then)."""
     order, threads, batches = options.order, _threads_per_source(options, len(names)), options.performance.read_ahead + 2
     holders = min(options.performance.reader_threads, batches)  # a token reader's threads: one shard each
 
@@ -380,7 +382,8 @@ def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: 
         return batch_size * (wanted[name].per_unit if wanted[name] is not None else 1)
 
     return {name: Reading(order.shuffle, order.block_shards, samples(name), min(threads, batches),
-                          runs=2 if mixture else 1, threads_hint=not mixture, holders=holders) for name in names}
+                          runs=2 if mixture else 1, threads_hint=not mixture, holders=holders,
+                          block_hint=block) for name in names}
 
 
 def _open_source(ds: Dataset, wanted: ReadFields | None, threads: int, options: Options, reading: Reading,

@@ -63,6 +63,9 @@ class Reading:
     """Reader threads that may each hold one of its shards at once, whatever the batch: a token reader's threads
     (each reads one shard at a time, of any source of a mixture: all of ``reader_threads``, where a source's
     stored-sample reader has its share of them)."""
+    block_hint: bool = True
+    """Whether a refusal may suggest ``shuffle='block'`` (a packed kind reads ``global`` or ``none`` only: it
+    suggests ``shuffle='none'`` instead)."""
 
 
 class Shards:
@@ -211,7 +214,7 @@ def _hint(shards: Shards, reading: Reading, cache_size: int, need: int) -> str:
     block = reading if reading.shuffle == "block" else dataclasses.replace(reading, shuffle="block")
     fewer = "shuffle='block' with " if reading.shuffle == "global" else ""
     options = []
-    if reading.shuffle != "none":
+    if reading.shuffle != "none" and reading.block_hint:
         fits = _largest_fitting(lambda bs: shards.need(block, block_shards=bs) <= cache_size,
                                 max(shards.count, 1))
         if fits:
@@ -224,7 +227,11 @@ def _hint(shards: Shards, reading: Reading, cache_size: int, need: int) -> str:
         if threads:
             options.append(f"reader_threads={threads}")
     options.append(f"raise cache_size to at least {_at_least(need)}")
-    if reading.shuffle != "none" and not options[:-1]:
+    if reading.shuffle != "none" and not reading.block_hint:
+        none = shards.need(dataclasses.replace(reading, shuffle="none"))
+        if none < need:
+            options.append(f"use shuffle='none' with cache_size at least {_at_least(none)}")
+    elif reading.shuffle != "none" and not options[:-1]:
         one = shards.need(block, block_shards=1)
         if one < need:
             options.append(f"use {fewer}block_shards=1 with cache_size at least {_at_least(one)}")
@@ -244,14 +251,15 @@ def check_shared_working_set(sources: dict[str, Shards], readings: dict[str, Rea
         return sum(shards.need(readings[name], r) for name, shards in sources.items())
 
     shuffle = next(iter(readings.values())).shuffle
+    block = all(r.block_hint for r in readings.values())
+    fewer = ("shuffle='block' with a smaller block_shards" if block else "shuffle='none'") + ", fewer reader_threads"
     if need(0) > cache_size:
         each = {name: shards.need(readings[name]) for name, shards in sources.items()}
         parts = ", ".join(f"{name!r} {human_bytes(b)}" for name, b in each.items())
         raise StorageError(f"mixture sources {', '.join(map(repr, each))} read through one cache ({where}) at the "
                            f"same time: cache_size {human_bytes(cache_size)} cannot hold their working sets together "
                            f"({parts}: {human_bytes(need(0))} for shuffle={shuffle!r}); raise cache_size to at least "
-                           f"{_at_least(need(0))}, or read fewer shards at once (shuffle='block' with a smaller "
-                           "block_shards, fewer reader_threads)", url=where)
+                           f"{_at_least(need(0))}, or read fewer shards at once ({fewer})", url=where)
     fits = _fitting_read_ahead(need, shard_read_ahead, cache_size)
     if fits < shard_read_ahead:
         _warn_shrunk(where, shard_read_ahead, fits, cache_size,
