@@ -301,6 +301,8 @@ def test_an_image_text_batch_reads_every_conversation_packed_into_its_sequences(
     with pytest.raises(StorageError) as err:
         fastio.Loader(url, cache_dir=str(tmp_path / "c0"), cache_size=1, storage_options=moto_server.options(), **opts)
     smallest = parse_size(re.search(r"raise cache_size to at least (\S+ [kM]?B)", str(err.value))[1])
+    assert re.search(rf"\(the shards of 1 batch of {batch_size} units of up to \d+ stored samples read at once, "
+                     r"each touching up to \d+ consecutive shards\)", str(err.value)), str(err.value)
 
     def epochs(where, start: int, **more) -> list[dict]:
         """Two epochs from ``start`` sequences into the first (a resume at a position a batch does not start at)."""

@@ -378,12 +378,12 @@ def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: 
     order, threads, batches = options.order, _threads_per_source(options, len(names)), options.performance.read_ahead + 2
     holders = min(options.performance.reader_threads, batches)  # a token reader's threads: one shard each
 
-    def samples(name: str) -> int:
-        return batch_size * (wanted[name].per_unit if wanted[name] is not None else 1)
+    def per_unit(name: str) -> int:
+        return wanted[name].per_unit if wanted[name] is not None else 1
 
-    return {name: Reading(order.shuffle, order.block_shards, samples(name), min(threads, batches),
+    return {name: Reading(order.shuffle, order.block_shards, batch_size * per_unit(name), min(threads, batches),
                           runs=2 if mixture else 1, threads_hint=not mixture, holders=holders,
-                          block_hint=block) for name in names}
+                          per_unit=per_unit(name), block_hint=block) for name in names}
 
 
 def _open_source(ds: Dataset, wanted: ReadFields | None, threads: int, options: Options, reading: Reading,

@@ -63,6 +63,8 @@ class Reading:
     """Reader threads that may each hold one of its shards at once, whatever the batch: a token reader's threads
     (each reads one shard at a time, of any source of a mixture: all of ``reader_threads``, where a source's
     stored-sample reader has its share of them)."""
+    per_unit: int = 1
+    """Stored samples one unit of the batch reads at most (``batch_size`` counts them all): for the words only."""
     block_hint: bool = True
     """Whether a refusal may suggest ``shuffle='block'`` (a packed kind reads ``global`` or ``none`` only: it
     suggests ``shuffle='none'`` instead)."""
@@ -187,7 +189,9 @@ def _what(shards: Shards, reading: Reading) -> str:
     if reading.shuffle == "global":
         return "every shard: a global shuffle draws each batch from the whole dataset"
     k, b, t = reading.batches, reading.batch_size, shards.per_batch(reading)
-    batches = f"{k} {agree(k, 'batch', 'batches')} of {count(b, 'sample')} read at once"
+    size = count(b, "sample") if reading.per_unit == 1 else (
+        f"{count(b // reading.per_unit, 'unit')} of up to {count(reading.per_unit, 'stored sample')}")
+    batches = f"{k} {agree(k, 'batch', 'batches')} of {size} read at once"
     if reading.shuffle == "block":
         return (f"the largest shards of {batches}, each touching up to {count(t, 'shard')} of the windows of "
                 f"{reading.block_shards} it spans: a batch crossing into the next window holds shards of both")
