@@ -569,9 +569,10 @@ def _cadence(workdir: Path, cadence_mib: int, repeats: int, quiet_wait: float) -
     cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, CADENCE_SAVERS, factors=(1.0, 4.0),
                               quiet_wait=quiet_wait)
     for name, c in cadence["cadences"].items():
-        rows = c["savers"]
+        rows, again = c["savers"], c.get("recalibrated_from_write_s")
+        redo = f" (measured again: the calibration's {again:.2f}s was off)" if again else ""
         print(f"cadence {name}, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "
-              f"{cadence['write_s']:.2f}s -> a checkpoint every {c['every']} steps, adjacent windows, median of "
+              f"{c['write_s']:.2f}s{redo} -> a checkpoint every {c['every']} steps, adjacent windows, median of "
               f"{cadence['rounds']}: " + "; ".join(
                   f"{n} {100 * r['overhead']:+.1f}% (blocked {r['blocked_per_save_s']:.3f}s, steps slowed "
                   f"{r['slowed_per_save_s']:+.3f}s per save)" for n, r in rows.items()) + busy_note(c["quiet"]),

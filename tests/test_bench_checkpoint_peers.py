@@ -99,6 +99,35 @@ def test_adjacent_windows_end_to_end_at_two_cadences(tmp_path):
         assert set(c["quiet"][0]) == {"before", "during"}
 
 
+class _TimedWriter:
+    """A saver whose background writes report ``write_s`` each (what the windows see)."""
+
+    def __init__(self, write_s: float):
+        self.write_s, self.writes, self.saves = write_s, [], 0
+
+    def save(self, step: int) -> None:
+        self.saves += 1
+
+    def finish(self) -> None:
+        self.writes.append(self.write_s)
+
+
+@pytest.mark.parametrize("seen, again", [(1.0, True), (0.25, False)])
+def test_a_cadence_whose_writes_were_off_from_the_calibration_is_measured_again_with_their_time(seen, again):
+    """A calibration write of 0.29 s for writes of 1.03 s once made the "1x" cadence every 2 steps instead of 6:
+    the windows' own write time now sets K again (once), and the record says so."""
+    from bench.checkpoint_overhead import _cadence
+    from bench.model import build
+
+    model, optim = build(1)
+    saver = _TimedWriter(seen)
+    got, write_s = _cadence(model, optim, {"w": saver}, 1.0, step_s=0.5, write_s=0.2, every=None, args=(1, 1, 0.0))
+    assert write_s == got["write_s"] == (seen if again else 0.2)
+    assert got["every"] == (2 if again else 1)  # K x 0.5 s >= 1.0 s, or >= 0.2 s
+    assert ("recalibrated_from_write_s" in got) is again and got.get("recalibrated_from_write_s", 0.2) == 0.2
+    assert saver.saves == (2 if again else 1) and len(got["savers"]["w"]["ratios"]) == 1
+
+
 def test_cpu_per_gib_counts_user_and_system_time_apart(tmp_path):
     got = cpu_per_gib(tmp_path, size_mib=48, saves=1, savers=("minimal",))
     row = got["savers"]["minimal"]
