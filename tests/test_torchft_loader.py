@@ -222,6 +222,31 @@ def test_groups_with_a_synchronous_quorum_heal_the_loaders_position_and_share_th
         m.shutdown(wait=False)
 
 
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_group_whose_step_failed_heals_its_running_loader_to_the_peers_step(house, image_dataset, sync):
+    """Group 1's step 2 does not commit (group 0's does): at the next quorum it heals from group 0 with its Loader
+    running (its next shares read ahead). With ``use_async_quorum=False`` it heals inside ``start_quorum`` and takes
+    its half of step 3 at once; otherwise it gets step 3's empty batch and takes part from step 4. No sample of a
+    step is lost or taken twice."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 6)]
+    stores = group_store(), group_store()
+    ms = [manager(stores[g].port, house, g, use_async_quorum=not sync) for g in range(2)]
+    ls = [_loader(image_dataset, options, m) for m in ms]
+    both = list(zip(ms, ls))
+    rows = steps(both, 2)
+    calls = []  # steps() asks commit() for group 0, then group 1: the 4th call is group 1's step 2
+    rows += steps(both, 1, commit=lambda s: calls.append(s) or len(calls) != 2)
+    assert (ms[0].current_step(), ms[1].current_step()) == (3, 2)
+    rows += steps(both, 2)
+    assert [[b["step"] for b in row] for row in rows] == [[0, 0], [1, 1], [2, 2], [3, 3], [4, 4]]
+    assert rows[3][1]["participating"] == sync
+    _union_is_the_global_batch(rows, want)
+    for m, loader in both:
+        loader.close()
+        m.shutdown(wait=False)
+
+
 @pytest.mark.parametrize("peer_loaders", [0, 1])
 def test_a_group_with_a_synchronous_quorum_and_a_loader_its_peer_lacks_is_refused_as_it_heals(house, image_dataset,
                                                                                               peer_loaders):
