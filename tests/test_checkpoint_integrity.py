@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -378,7 +379,8 @@ def small_disk(tmp_path):
 @pytest.mark.parametrize("engine", ["dcp", "torchsnapshot"])
 def test_a_full_disk_is_named_and_the_previous_checkpoint_restores(small_disk, engine):
     """DCP's writer reported a full disk as torch's zip-writer error (``unexpected pos 704 vs 598``), without the
-    errno: the message now says how little space is left. Either engine keeps the last intact step."""
+    errno, then with how little space is left but still naming no file: the message now names the file whose write
+    failed and the OS's error, as torchsnapshot's does. Either engine keeps the last intact step."""
     torch.manual_seed(0)
     model = nn.Linear(1024, 1024)  # 4 MiB of weights, 12 MiB with Adam's state: two steps do not fit
     optim = torch.optim.Adam(model.parameters())
@@ -395,6 +397,9 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_restores(small_disk, e
             except CheckpointError as err:
                 errors.append(str(err))
     assert errors and all("No space left on device" in e or "free: full?" in e for e in errors), errors
+    if engine == "dcp":  # the file DCP could not write, named (was torch's 'unexpected pos 704 vs 598', no file)
+        assert all(re.search(rf"checkpoint write failed: {re.escape(str(small_disk))}/ck/step-\d+\.tmp/\S+: No space "
+                             r"left on device \(the previous checkpoint is intact\)$", e) for e in errors), errors
     fresh = {"model": nn.Linear(1024, 1024)}
     fresh["optim"] = torch.optim.Adam(fresh["model"].parameters())
     with Checkpointer(small_disk / "ck", signals=()) as ckpt:

@@ -1,6 +1,7 @@
 """Two real ranks (gloo on 127.0.0.1) with a Checkpointer on s3:// (moto): one staging directory both see, or
 one each (simulated nodes: each node uploads its own files, rank 0 commits on the store, restores pull the step
-into every node's directory); a rank that cannot use its staging directory is refused by name. The five runs are
+into every node's directory); a rank that cannot use its staging directory is refused by name; a save during a
+store outage with a staging dir per node fails and the next one commits. The six runs are
 one spawn of 2 ranks for the file, one after the other (a fresh gloo group and bucket each: ``runs``); each test
 checks its run's results."""
 
@@ -39,7 +40,7 @@ def runs(moto_server, tmp_path_factory) -> dict[str, tuple[Path, str]]:
     """The run of each test below, all in one spawn of 2 ranks: its directory and its bucket, by name."""
     base, options = tmp_path_factory.mktemp("s3-dist"), moto_server.options()
     cases, plan = {}, []
-    for name in ("refused", "shared", "nodes-torchsnapshot", "nodes-dcp", "fallback"):
+    for name in ("refused", "shared", "nodes-torchsnapshot", "nodes-dcp", "fallback", "outage"):
         cases[name] = (base / name, f"{name}-{uuid.uuid4().hex[:8]}")
         cases[name][0].mkdir()
         moto_server.create_bucket(cases[name][1])
@@ -56,6 +57,8 @@ def runs(moto_server, tmp_path_factory) -> dict[str, tuple[Path, str]]:
                      engine, compression, str(where)))
     where, bucket = cases["fallback"]
     plan.append((fallback_worker, f"s3://{bucket}/runs/fallback", options, str(where), str(where)))
+    where, bucket = cases["outage"]
+    plan.append((outage_worker, f"s3://{bucket}/runs/outage", moto_server.port, str(where)))
     start_ranks(runs_worker, ([(worker, str(base / f"meet-{n}"), *args) for n, (worker, *args) in enumerate(plan)],),
                 WORLD)
     return cases
@@ -220,3 +223,52 @@ def test_two_nodes_fall_back_together_past_a_step_damaged_on_the_store(moto_serv
         assert "step-5: checkpoint write failed: " in got["lost"] and "lease lost: taken over by intruder" in got["lost"]
     assert {o.key.split("/")[0] for o in open_storage(url, moto_server.options()).list()} == {
         LOCK_NAME, "step-2", "step-4"}  # step 5 never uploaded; the intruder's lease left alone
+
+
+def outage_worker(rank: int, meeting: str, url: str, moto_port: int, root: str) -> None:
+    """Steps 1 to 3 with a staging dir each; the store out (503 past deadline_s, through a fault proxy in rank 0's
+    process) for step 2's save."""
+    from s3server import ACCESS_KEY, REGION, SECRET_KEY, FaultProxy
+
+    join_group(rank, WORLD, meeting)
+    proxy = FaultProxy(moto_port) if rank == 0 else None
+    try:
+        port = torch.tensor([proxy.port if proxy else 0])
+        dist.broadcast(port, 0)
+        options = {"endpoint": f"http://127.0.0.1:{int(port)}", "region": REGION, "access_key_id": ACCESS_KEY,
+                   "secret_access_key": SECRET_KEY, "deadline_s": 1, "backoff_s": 0.05}
+        app, said = build(), {}
+        with Checkpointer(url, storage_options=options, staging_dir=f"{root}/node{rank}", signals=()) as ckpt:
+            for step in (1, 2, 3):
+                dist.barrier()
+                if proxy is not None:
+                    proxy.down = {f"/{url.split('/')[2]}"} if step == 2 else set()
+                dist.barrier()
+                app["loader"].consumed = step
+                try:
+                    ckpt.save(step, app, blocking=True)
+                except CheckpointError as err:
+                    said[step] = str(err)
+            said["steps"] = ckpt.steps()
+        said["node"] = sorted(p.name for p in Path(root, f"node{rank}").iterdir())
+        Path(root, f"rank{rank}.json").write_text(json.dumps(said))
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        dist.destroy_process_group()
+
+
+def test_two_nodes_with_their_own_staging_dirs_fail_a_save_during_an_outage_and_go_on_after_it(moto_server, runs):
+    """What the model cannot do (docs/storage.md): with a staging dir per node no node holds a whole step, so a save
+    during an outage fails on every rank, naming the step by its URL and the store's error, and leaves nothing
+    in either node's staging dir; the next save once the store answers commits."""
+    tmp_path, bucket = runs["outage"]
+    url = f"s3://{bucket}/runs/outage"
+    said = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    assert said[0] == said[1]
+    assert said[0]["2"].startswith(f"{url}/step-2: checkpoint write failed: {url}/{LOCK_NAME}: "), said[0]
+    assert "(HTTP 503" in said[0]["2"] and "nothing uploaded (confirm failed on rank 0)" in said[0]["2"], said[0]
+    assert "1" not in said[0] and "3" not in said[0] and said[0]["steps"] == [1, 3]
+    assert said[0]["node"] == [LOCK_NAME, STAGING_RECORD]
+    keys = {o.key.split("/")[0] for o in open_storage(url, moto_server.options()).list()}
+    assert keys == {"step-1", "step-3"}, keys

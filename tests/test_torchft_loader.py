@@ -4,6 +4,7 @@ state in the Manager's state dict, Checkpointer restores and the refusals. The r
 group is tests/test_torchft.py."""
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -197,6 +198,108 @@ def test_a_group_with_a_loader_its_peer_lacks_is_refused_as_it_heals_naming_it(h
         for loader in loaders:
             loader.close()
         m.shutdown(wait=False)
+
+
+def test_groups_with_a_synchronous_quorum_heal_the_loaders_position_and_share_the_step_at_once(house, image_dataset):
+    """``use_async_quorum=False``: a joining group heals inside ``start_quorum`` (the Loader's position applied there,
+    before its first batch) and takes part in that very step: the two groups' batches are halves of the one-process
+    batch of each step, the joining group's from step 2 on."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 5)]
+    stores = group_store(), group_store()
+    m0 = manager(stores[0].port, house, 0, use_async_quorum=False)
+    l0 = _loader(image_dataset, options, m0)
+    before = steps([(m0, l0)], 2)
+    m1 = manager(stores[1].port, house, 1, use_async_quorum=False)
+    l1 = _loader(image_dataset, options, m1)
+    after = steps([(m0, l0), (m1, l1)], 3)
+    assert [b["index"].tolist() for (b,) in before] == want[:2]
+    for s, (b0, b1) in enumerate(after, start=2):
+        assert b0["step"] == b1["step"] == s and b0["participating"] and b1["participating"], s
+        assert b0["index"].tolist() + b1["index"].tolist() == want[s], s
+    for m, loader in ((m0, l0), (m1, l1)):
+        loader.close()
+        m.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_group_whose_step_failed_heals_its_running_loader_to_the_peers_step(house, image_dataset, sync):
+    """Group 1's step 2 does not commit (group 0's does): at the next quorum it heals from group 0 with its Loader
+    running (its next shares read ahead). With ``use_async_quorum=False`` it heals inside ``start_quorum`` and takes
+    its half of step 3 at once; otherwise it gets step 3's empty batch and takes part from step 4. No sample of a
+    step is lost or taken twice."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 6)]
+    stores = group_store(), group_store()
+    ms = [manager(stores[g].port, house, g, use_async_quorum=not sync) for g in range(2)]
+    ls = [_loader(image_dataset, options, m) for m in ms]
+    both = list(zip(ms, ls))
+    rows = steps(both, 2)
+    calls = []  # steps() asks commit() for group 0, then group 1: the 4th call is group 1's step 2
+    rows += steps(both, 1, commit=lambda s: calls.append(s) or len(calls) != 2)
+    assert (ms[0].current_step(), ms[1].current_step()) == (3, 2)
+    rows += steps(both, 2)
+    assert [[b["step"] for b in row] for row in rows] == [[0, 0], [1, 1], [2, 2], [3, 3], [4, 4]]
+    assert rows[3][1]["participating"] == sync
+    _union_is_the_global_batch(rows, want)
+    for m, loader in both:
+        loader.close()
+        m.shutdown(wait=False)
+
+
+@pytest.mark.parametrize("peer_loaders", [0, 1])
+def test_a_group_with_a_synchronous_quorum_and_a_loader_its_peer_lacks_is_refused_as_it_heals(house, image_dataset,
+                                                                                              peer_loaders):
+    """``use_async_quorum=False``: the peer's state is applied inside ``start_quorum``, before any batch is asked.
+    Before: a peer without Loaders got torchft's raw ``KeyError: 'fastio_loader'`` there, and with one Loader of two
+    the peer's model state was applied before the second was found lacking. Now a Loader of this group that the
+    peer's state lacks is refused before any of it is applied, naming it and both groups' Loaders."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 6}
+    stores = group_store(), group_store()
+    m0 = manager(stores[0].port, house, 0, use_async_quorum=False)
+    m0.register_state_dict_fn("model", lambda state: None, lambda: {"w": 1})
+    peer = [_loader(image_dataset, options, m0) for _ in range(peer_loaders)]
+    ours = [(m0, peer[0])] if peer else []
+    if not peer:  # the peer takes steps without a Loader: its Manager's quorum started by hand
+        for _ in range(2):
+            m0.start_quorum()
+            m0.should_commit()
+    else:
+        steps(ours, 2)
+    m1 = manager(stores[1].port, house, 1, use_async_quorum=False)
+    applied = []
+    m1.register_state_dict_fn("model", applied.append, lambda: {"w": 1})
+    l1, l1b = _loader(image_dataset, options, m1), _loader(image_dataset, options, m1)
+    lacking = "Loaders fastio_loader, fastio_loader_1 (registered on its torchft.Manager) are" if not peer else \
+        "Loader fastio_loader_1 (registered on its torchft.Manager) is"
+    theirs = "none" if not peer else "fastio_loader"
+    with pytest.raises(LoaderStateError, match=rf"^this group's {re.escape(lacking)} not in the state of the peer it "
+                                               rf"heals from, whose Loaders are {theirs} "):
+        if peer:
+            steps([(m0, peer[0]), (m1, l1)], 1)
+        else:
+            _start_both(house, m1, m0)
+    assert applied == []  # not the peer's model state either
+    for m, loaders in ((m0, peer), (m1, (l1, l1b))):
+        for loader in loaders:
+            loader.close()
+        m.shutdown(wait=False)
+
+
+def _start_both(house: str, joining, peer) -> None:
+    """The quorum of a step started by ``joining`` (asking first, as steps() orders it) and ``peer``, both with
+    ``use_async_quorum=False`` (each waits in start_quorum, on a thread of its own); what ``joining``'s raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.torchft_helpers import lighthouse_status, wait_asked
+
+    quorum = lighthouse_status(house)[0]
+    with ThreadPoolExecutor(2) as pool:
+        mine = pool.submit(joining.start_quorum)
+        wait_asked(house, 1, quorum)
+        theirs = pool.submit(peer.start_quorum)
+        theirs.result(timeout=60)
+        mine.result(timeout=60)
 
 
 def _checkpoint_at(house: str, target, options: dict, ck_dir: Path, count: int, **more) -> None:

@@ -513,8 +513,15 @@ class Checkpointer:
             err, step = self._error, self._error_step
             self._error = self._error_step = None
             why = str(err) if isinstance(err, CheckpointError) else first_line(err)
-            raise CheckpointError(f"{naming.step_dir(self.dir, step)}: checkpoint write failed: "
+            raise CheckpointError(f"{self._step_named(step)}: checkpoint write failed: "
                                   f"{why} (the previous checkpoint is intact)") from err
+
+    def _step_named(self, step: int) -> str:
+        """Step ``step`` as a message names it: ``URL/step-N`` for an ``s3://`` dir (the same on every rank; its
+        staging dir, one a node, is where it is written), else its folder."""
+        if self.config.url is not None:
+            return f"{self.config.url}/{naming.step_name(step)}"
+        return str(naming.step_dir(self.dir, step))
 
     def _finish_pruning(self) -> None:
         """Wait for the deletion of the steps the last save's retention expired (see :meth:`Commit.prune`)."""

@@ -3,7 +3,9 @@
 The Loader asks :class:`TorchftReplicas` at each batch for the step and this rank's :class:`~fastio.order.replicas.Share`
 of it (after the step's quorum), and registers its state with the Manager, so that a group that heals from a peer
 gets the data position with the weights (until the Loader is closed: then it takes it out again). The order
-arithmetic is in :mod:`fastio.order.replicas`; this module only reads the Manager. It sits in ``read/``, below the
+arithmetic is in :mod:`fastio.order.replicas`; this module only reads the Manager, but where torchft has no call
+for what it needs (taking a state out, checking a healing peer's state before it is applied) it replaces the
+Manager's state-dict hooks or wraps the call that applies that state. It sits in ``read/``, below the
 Loader that uses it (not in ``integrations/``, which imports the Loader), and is the only importer of ``torchft``,
 imported only when a Manager is given.
 """
@@ -21,10 +23,10 @@ __all__ = ["STATE_KEY", "TorchftReplicas"]
 
 _READ = ("_group_rank", "_group_world_size", "_user_state_dicts", "_load_state_dict_fns", "register_state_dict_fn",
          "current_step", "num_participants", "participating_rank", "is_participating", "_quorum_future", "_healing",
-         "_pending_state_dict")
+         "_pending_state_dict", "_apply_pending_state_dict")
 """What fastio reads of a Manager: its rank in its group and the group's size, the state dict hooks it registers the
-Loader's state with, the step and the quorum, and the state a healing group received from its peer
-(torchft-nightly 2026.10.26 has them all)."""
+Loader's state with, the step and the quorum, the state a healing group received from its peer and the call that
+applies it (torchft-nightly 2026.10.26 has them all)."""
 
 STATE_KEY = "fastio_loader"
 """The key of a Loader's state in the Manager's state dict (``fastio_loader_1``, ... for further Loaders open at once)."""
@@ -117,34 +119,19 @@ class TorchftReplicas:
         """LoaderStateError when this group heals (after the quorum) from a peer whose state lacks a Loader registered
         on this group's Manager (torchft would fail applying it with a ``KeyError`` naming nothing else), naming
         the Loaders of both; nothing when not healing."""
-        m = self.manager
-        pending = m._pending_state_dict if m._healing else None
-        user = pending.get("user") if isinstance(pending, dict) else None
-        if not isinstance(user, Mapping):
-            return
-        mine, theirs = _loader_keys(m._load_state_dict_fns), _loader_keys(user)
-        lacking = [k for k in mine if k not in user]
-        if lacking:
-            raise LoaderStateError(
-                f"this group's {agree(len(lacking), 'Loader')} {', '.join(lacking)} (registered on its torchft.Manager)"
-                f" {'is' if len(lacking) == 1 else 'are'} not in the state of the peer it heals from, whose Loaders "
-                f"are {', '.join(theirs) or 'none'} (this group's: {', '.join(mine)}): every replica group makes the "
-                "same Loaders with its Manager, in the same order (close() takes one out)")
+        _check_peer_loaders(self.manager)
 
     def register(self, state_dict: Callable[[], dict], load_state_dict: Callable[[dict], None]) -> str:
         """Put a Loader's state into the Manager's state dict (sent to a healing group with the weights); returns
-        its key. A peer's state lacking one of this group's Loaders is refused as the Manager applies it
-        (:meth:`check_peer_loaders`), before torchft looks it up."""
+        its key. A peer's state lacking one of this group's Loaders is refused before the Manager applies any of it
+        (:func:`_guard_healing`), whether it heals in ``start_quorum`` (``use_async_quorum=False``) or in
+        ``should_commit``."""
         taken, key, n = self.manager._user_state_dicts, STATE_KEY, 0
         while key in taken:
             n += 1
             key = f"{STATE_KEY}_{n}"
-
-        def load(state: dict) -> None:
-            self.check_peer_loaders()
-            load_state_dict(state)
-
-        self.manager.register_state_dict_fn(key, load, state_dict)
+        _guard_healing(self.manager)
+        self.manager.register_state_dict_fn(key, load_state_dict, state_dict)
         self._key = key
         return key
 
@@ -211,6 +198,44 @@ class TorchftReplicas:
         raise LoaderStateError(f"loader state (saved without replicas=) is at epoch {epoch}, {consumed} samples "
                                f"consumed: {at}, the torchft Manager at step {now}: with replicas= the position is "
                                f"the Manager's step; {fix}, or start without the loader state")
+
+
+def _check_peer_loaders(m: Any) -> None:
+    """See :meth:`TorchftReplicas.check_peer_loaders` (of Manager ``m``, whichever Loader asks)."""
+    pending = m._pending_state_dict if m._healing else None
+    user = pending.get("user") if isinstance(pending, dict) else None
+    if not isinstance(user, Mapping):
+        return
+    mine, theirs = _loader_keys(m._load_state_dict_fns), _loader_keys(user)
+    lacking = [k for k in mine if k not in user]
+    if lacking:
+        raise LoaderStateError(
+            f"this group's {agree(len(lacking), 'Loader')} {', '.join(lacking)} (registered on its torchft.Manager)"
+            f" {'is' if len(lacking) == 1 else 'are'} not in the state of the peer it heals from, whose Loaders "
+            f"are {', '.join(theirs) or 'none'} (this group's: {', '.join(mine)}): every replica group makes the "
+            "same Loaders with its Manager, in the same order (close() takes one out)")
+
+
+_GUARDED = "_fastio_checks_peer_loaders"
+"""Set on a Manager whose ``_apply_pending_state_dict`` :func:`_guard_healing` wrapped."""
+
+
+def _guard_healing(m: Any) -> None:
+    """Make Manager ``m`` check a healing peer's state for its Loaders (:func:`_check_peer_loaders`) before it applies
+    any of it: torchft applies it in ``start_quorum`` with ``use_async_quorum=False`` (before a batch is asked, so the
+    Loader's own check comes too late; torchft raised ``KeyError: 'fastio_loader'``), else in ``should_commit``, one
+    registered state after another (a peer's model state was applied before a Loader's was found lacking). torchft
+    has no hook there: the Manager's bound method is wrapped, once."""
+    if getattr(m, _GUARDED, False):
+        return
+    apply = m._apply_pending_state_dict
+
+    def checked_apply() -> None:
+        _check_peer_loaders(m)
+        apply()
+
+    m._apply_pending_state_dict = checked_apply
+    setattr(m, _GUARDED, True)
 
 
 def _global_batch(state: dict[str, Any], plain: bool) -> tuple[int, str] | None:

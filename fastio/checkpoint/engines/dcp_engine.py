@@ -50,7 +50,7 @@ import re
 import shutil
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from os import PathLike
 from pathlib import Path
 from typing import Any
@@ -77,7 +77,7 @@ from torch.distributed.tensor import DTensor
 from fastio.checkpoint.agree import terms_code
 from fastio.checkpoint.engines.base import WRITE_CHECKSUM, SavedCheckpoint, Stateful, first_line, written_record
 from fastio.checkpoint.engines.strict import Mismatch, group_sizes, other_dtypes, quantized_keys, shape_of
-from fastio.errors import CheckpointError
+from fastio.errors import CheckpointError, os_error_text
 from fastio.progress import human_bytes
 from fastio.storage.atomic import start_writeback
 from fastio.storage.checksum import CheckedFile, ShortRead
@@ -589,8 +589,9 @@ _LOW_SPACE = 64 << 20
 
 
 def _with_free_space(err: CheckpointError, path: Path) -> CheckpointError:
-    """``err`` saying how much space the file system holding ``path`` has left when that is little: a full
-    disk reaches DCP's writer as torch's zip-writer error (``unexpected pos``), without the errno."""
+    """``err`` saying how much space the file system holding ``path`` has left when that is little: a DCP failure
+    that no file's failed write explains (:class:`_HashedStream` notes those), where a full disk may still be the
+    cause (torch's zip-writer error ``unexpected pos`` carries no errno)."""
     try:
         free = shutil.disk_usage(path if Path(path).exists() else Path(path).parent).free
     except OSError:
@@ -727,29 +728,47 @@ class DcpCheckpoint(SavedCheckpoint):
 
 
 # ---------------------------------------------------------------- the engine
+def _write_error(path: Path, err: OSError) -> CheckpointError:
+    """A file of the step that could not be written (a full disk, a file-size limit), named."""
+    return CheckpointError(f"{path}: {os_error_text(err)}")
+
+
 class _HashedStream:
     """A file DCP writes through: hashes (xxh3-128) and counts every byte on its way to the file, and records
     ``{"bytes", "xxh3_128"}`` under its path in ``records`` when closed, having started its writeback to the disk
-    (with ``writeback``: :func:`~fastio.storage.atomic.start_writeback`)."""
+    (with ``writeback``: :func:`~fastio.storage.atomic.start_writeback`). A write or close that fails is noted in
+    ``fs.failed`` (this file and the OS's error): DCP's writer loses both (a full disk reaches it as torch's
+    zip-writer error ``unexpected pos``, or as an ``OSError`` naming no file)."""
 
-    def __init__(self, f: Any, path: Path, records: dict[Path, dict[str, Any]], writeback: bool):
+    def __init__(self, f: Any, path: Path, fs: _HashingFileSystem):
         from fastio.storage.checksum import DIGESTS
 
-        self.f, self.path, self.records, self.writeback = f, path, records, writeback
+        self.f, self.path, self.fs = f, path, fs
         self.hash, self.size = DIGESTS[WRITE_CHECKSUM](), 0
 
     def write(self, data: Any) -> int:
         self.hash.update(data)
         self.size += memoryview(data).nbytes
-        return self.f.write(data)
+        try:
+            return self.f.write(data)
+        except OSError as err:
+            self.fs.note_failure(self.path, err)
+            raise
 
     def close(self) -> None:
-        if not self.f.closed:
-            if self.writeback:  # on its way to the disk now, not all at once in the commit's fsyncs
+        if self.f.closed:
+            return
+        try:
+            if self.fs.writeback:  # on its way to the disk now, not all at once in the commit's fsyncs
                 self.f.flush()
                 start_writeback(self.f.fileno())
             self.f.close()
-            self.records[self.path] = written_record(None, self.size, self.hash.hexdigest())
+        except OSError as err:
+            self.fs.note_failure(self.path, err)
+            with suppress(OSError):  # after a failed flush: closes the file all the same, failing again
+                self.f.close()
+            raise
+        self.fs.records[self.path] = written_record(None, self.size, self.hash.hexdigest())
 
     def __getattr__(self, name: str) -> Any:  # tell, flush, fileno, closed, ...: the file's
         return getattr(self.f, name)
@@ -763,6 +782,12 @@ class _HashingFileSystem(FileSystem):
         super().__init__()
         self.records: dict[Path, dict[str, Any]] = {}
         self.writeback = writeback
+        self.failed: CheckpointError | None = None
+
+    def note_failure(self, path: Path, err: OSError) -> None:
+        """The first file whose write failed, and why (:func:`_write_error`), for :meth:`DcpEngine.save` to raise."""
+        if self.failed is None:
+            self.failed = _write_error(path, err)
 
     @contextmanager
     def create_stream(self, path: str | PathLike, mode: str) -> Iterator[Any]:
@@ -770,7 +795,7 @@ class _HashingFileSystem(FileSystem):
             with super().create_stream(path, mode) as stream:
                 yield stream
             return
-        stream = _HashedStream(open(path, mode), Path(path), self.records, self.writeback)  # noqa: SIM115 - closed below
+        stream = _HashedStream(open(path, mode), Path(path), self)  # noqa: SIM115 - closed below
         try:
             yield stream
         finally:
@@ -790,18 +815,21 @@ def _save_rank_files(path: Path, rank: int, per_rank: dict[str, Any], written: d
     for key, state in per_rank.items():
         buf = io.BytesIO()
         torch.save(state, buf)
-        _rank_file(path, rank, key).write_bytes(buf.getbuffer())
-        written[_rank_file(path, rank, key)] = written_record(buf.getbuffer())
+        file = _rank_file(path, rank, key)
+        try:
+            file.write_bytes(buf.getbuffer())
+        except OSError as err:
+            raise _write_error(file, err) from err
+        written[file] = written_record(buf.getbuffer())
 
 
-def _dcp_save(path: Path, shared: dict[str, Any], pg: Any, world: int,
-              writeback: bool) -> dict[Path, dict[str, Any]]:
-    """Collective ``dcp.save`` of the global state into ``path``; the files this rank wrote, with their records."""
+def _dcp_save(path: Path, shared: dict[str, Any], pg: Any, world: int, fs: _HashingFileSystem) -> None:
+    """Collective ``dcp.save`` of the global state into ``path`` through ``fs`` (which records the files this rank
+    wrote)."""
     # sync_files off: the commit fsyncs every file anyway
     writer = FileSystemWriter(str(path), sync_files=False)
-    writer.fs = _HashingFileSystem(writeback)
+    writer.fs = fs
     dcp.save(shared, storage_writer=writer, process_group=pg, no_dist=world == 1)
-    return writer.fs.records
 
 
 def _no_owner(key: str, ids: set[int], app: dict[str, Any]) -> str:
@@ -872,12 +900,14 @@ class DcpEngine:
         except Exception as err:  # noqa: BLE001 - raised after the collective below, which every rank must reach
             mine = err
         if shared:
+            fs = _HashingFileSystem(writeback)
             try:
-                written.update(_dcp_save(path, shared, pg, world, writeback))
+                _dcp_save(path, shared, pg, world, fs)
             except CheckpointException as err:  # a BaseException: make it an ordinary, one-line error
                 me = rank if pg is None else dist.get_rank(group=pg)
                 if mine is None and (world == 1 or me in err.failures):
-                    raise _with_free_space(_unwrap(err, path, me), path) from None
+                    raise fs.failed or _with_free_space(_unwrap(err, path, me), path) from None
+            written.update(fs.records)
         elif pg is not None:
             dist.barrier(group=pg)
         if mine is not None:
