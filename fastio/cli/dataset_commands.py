@@ -139,7 +139,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
                    "seq_len + 1 below the longest).")
 @click.option("--overlong", default=None, metavar="refuse|drop|truncate",
               help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
-                   "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted); drop and "
+                   "out and counted (drop), or keeps its first turns that fit, whole, ending with a reply the template "
+                   "trains, whatever its role (truncate; counted); drop and "
                    "truncate without --max-tokens are refused.")
 @click.option("--image-field", default=None, metavar="FIELD",
               help="With --tokenizer and --chat-template: an image-text conversion (docs/image-text.md): each JSONL "

@@ -12,9 +12,11 @@ ConvertError naming its file and line (``where``), the field and what is wrong.
 
 A conversation longer than ``max_tokens`` (None: no limit here; the Loader refuses a ``seq_len`` that would cut
 one) is never cut mid-turn: ``overlong="refuse"`` is a ConvertError naming it, ``"drop"`` leaves it out (counted),
-``"truncate"`` keeps its first turns whole: the longest run of its first messages that ends with an assistant
-message and renders within ``max_tokens`` (rendered again, as a conversation of those messages; counted), or drops
-it when none does (counted as dropped).
+``"truncate"`` keeps its first turns whole: the longest run of its first messages that ends with a reply and
+renders within ``max_tokens`` (rendered again, as a conversation of those messages; counted), or drops it when none
+does (counted as dropped). A reply is a message the template renders inside a ``{% generation %}`` block (the run
+ending with it has one more block than the run without it), whatever its role, so ShareGPT's ``gpt`` under a
+template that trains it is one; under a template without blocks (``train_on="all"``), one of :data:`REPLY_ROLES`.
 """
 
 from __future__ import annotations
@@ -30,12 +32,15 @@ from fastio.formats.assistant_mask import assistant_mask
 from fastio.formats.byte_level_bpe import ByteLevelBPE
 from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, render
 
-__all__ = ["OVERLONG", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
+__all__ = ["OVERLONG", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
 
 TRAIN_ON = ("generation", "all")
 """What a chat conversion trains on: the template's ``{% generation %}`` blocks, or every token."""
 OVERLONG = ("refuse", "drop", "truncate")
 """What becomes of a conversation longer than ``max_tokens``."""
+REPLY_ROLES = ("assistant", "gpt", "model")
+"""The roles of a reply where the template marks no ``{% generation %}`` block (``overlong="truncate"`` cuts after
+one): OpenAI's, ShareGPT's and Gemma's."""
 
 
 def check_messages(messages: Any, where: str, field: str) -> None:
@@ -149,13 +154,35 @@ class ChatEncoder:
         return kept_e, kept_s
 
     def _truncated(self, messages: list, where: str) -> tuple[Any, list[tuple[int, int]]] | tuple[None, None]:
-        """The encoding and spans of the longest run of the first messages ending with an assistant message that
-        fits ``max_tokens``; (None, None) when none does."""
+        """The encoding and spans of the longest run of the first messages ending with a reply
+        (:meth:`_ends_with_reply`) that fits ``max_tokens``; (None, None) when none does. A run the template refuses
+        (one that ends where the template wants another turn) is no place to cut."""
+        renders: dict[int, tuple[str, list[tuple[int, int]]] | None] = {0: ("", [])}
+
+        def prefix(k: int) -> tuple[str, list[tuple[int, int]]] | None:
+            if k not in renders:
+                try:
+                    renders[k] = self.rendered(messages[:k], where)
+                except ConvertError:
+                    renders[k] = None
+            return renders[k]
+
         for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1].get("role") != "assistant":
+            if prefix(k) is None or not self._ends_with_reply(messages[k - 1], prefix(k), prefix(k - 1)):
                 continue
-            text, spans = self.rendered(messages[:k], where)
+            text, spans = prefix(k)
             e = self.tokenizer.encode(text, add_special_tokens=False)
             if len(e.ids) <= self.max_tokens:
                 return e, spans
         return None, None
+
+    def _ends_with_reply(self, last: dict, run: tuple[str, list], before: tuple[str, list] | None) -> bool:
+        """Whether a run of first messages ending with ``last`` (``run``: its text and generation spans; ``before``:
+        those of the run without it, None where the template refused that run) ends with a reply, a place
+        ``overlong="truncate"`` may cut after: a message the template renders inside a ``{% generation %}`` block,
+        whatever its role (ShareGPT's ``gpt`` under a template that trains it); for a template without such blocks
+        (``train_on="all"``), or where the run without it cannot be rendered to compare, a message of a role in
+        :data:`REPLY_ROLES`."""
+        if self.template.has_generation and before is not None:
+            return len(run[1]) > len(before[1])
+        return last.get("role") in REPLY_ROLES
