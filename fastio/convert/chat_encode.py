@@ -30,7 +30,7 @@ import numpy as np
 from fastio.errors import ConvertError
 from fastio.formats.assistant_mask import assistant_mask
 from fastio.formats.byte_level_bpe import ByteLevelBPE
-from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, render
+from fastio.formats.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, render
 
 __all__ = ["OVERLONG", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
 
@@ -45,9 +45,11 @@ one): OpenAI's, ShareGPT's and Gemma's."""
 
 def check_messages(messages: Any, where: str, field: str) -> None:
     """ConvertError naming ``where`` and ``field[i]`` unless ``messages`` is a non-empty list of messages, each an
-    object with a text ``role`` and a ``content`` (text, or a list of content parts) or ``tool_calls`` (a list: an
+    object with a text ``role`` and a ``content`` (text, or a list of content parts), ``tool_calls`` (a list: an
     assistant's calls, its content None or absent; a None value is dropped before rendering, as transformers
-    drops it)."""
+    drops it) or reasoning (text under one of :data:`~fastio.formats.chat_template.REASONING_FIELDS`: a reply of
+    reasoning alone, its content None or absent, rendered as transformers renders it; a template that reads the
+    content anyway fails on it, :meth:`ChatEncoder.rendered` says why)."""
     if not isinstance(messages, list) or not messages:
         what = ("an empty list" if isinstance(messages, list) else "missing or null" if messages is None else
                 type(messages).__name__)
@@ -65,15 +67,34 @@ def _check_message(m: Any, at: str) -> None:
         raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...})' + sharegpt)
     if not isinstance(m["role"], str):
         raise ConvertError(f"{at}.role is {type(m['role']).__name__}, not text")
-    content, calls = m.get("content"), m.get("tool_calls")
-    if content is None and calls is None:
+    content, calls, reasoning = m.get("content"), m.get("tool_calls"), _reasoning(m)
+    if content is None and calls is None and reasoning is None:
         raise ConvertError(f"{at} has no 'content' and no 'tool_calls' (a message is "
                            '{"role": ..., "content": ...}, or an assistant\'s {"role": "assistant", "tool_calls": '
-                           "[...]})")
+                           '[...]} or {"role": "assistant", "reasoning_content": ...})')
+    if content is None and calls is None and not isinstance(m[reasoning], str):
+        raise ConvertError(f"{at}.{reasoning} is {type(m[reasoning]).__name__}, not text")
     if content is not None and not isinstance(content, (str, list)):
         raise ConvertError(f"{at}.content is {type(content).__name__}, not text or a list of content parts")
     if calls is not None and not isinstance(calls, list):
         raise ConvertError(f"{at}.tool_calls is {type(calls).__name__}, not a list of tool calls")
+
+
+def _reasoning(m: dict) -> str | None:
+    """The key of a message's reasoning (the first of :data:`~fastio.formats.chat_template.REASONING_FIELDS` set, as
+    transformers takes it), None without."""
+    return next((k for k in REASONING_FIELDS if m.get(k) is not None), None)
+
+
+def _reasoning_alone(messages: list, field: str, error: str) -> str:
+    """Where a template failed on ``error`` naming ``content``: `` (field[i] has reasoning_content and no 'content':
+    this template reads a reply's content)`` for the first message of reasoning alone; "" otherwise."""
+    if "content" not in error:
+        return ""
+    alone = next(((i, k) for i, m in enumerate(messages) if m.get("content") is None and m.get("tool_calls") is None
+                  and (k := _reasoning(m)) is not None), None)
+    return "" if alone is None else (f" ({field}[{alone[0]}] has {alone[1]} and no 'content': this template reads "
+                                     "a reply's content)")
 
 
 def refuse_unencodable(wheres: Sequence[str], texts: Sequence[str], field: str) -> None:
@@ -105,7 +126,8 @@ class ChatEncoder:
         try:
             return render(self.template, messages)
         except ChatTemplateError as err:
-            raise ConvertError(f"{where}: field {self.field!r}: chat template {self.template.path}: {err}") from None
+            raise ConvertError(f"{where}: field {self.field!r}: chat template {self.template.path}: {err}"
+                               f"{_reasoning_alone(messages, self.field, str(err))}") from None
 
     def encode(self, wheres: Sequence[str], conversations: Sequence[Any]
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
