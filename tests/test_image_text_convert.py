@@ -343,11 +343,34 @@ def test_a_file_url_names_its_local_image_as_its_path_does(tmp_path):
         _convert(src, tmp_path / "outside")
 
 
-def test_a_missing_image_is_refused_naming_the_line(tmp_path):
-    src = image_text_source(tmp_path, n=4)
+def test_a_missing_image_skips_its_sample_naming_the_line_or_stops_the_run(tmp_path, capsys):
+    """Found by review: a conversation whose image file is missing stopped the run even with on_error='skip' (the
+    default), unlike a sample whose image does not decode. It is now a rejected sample: skipped, listed naming the
+    line and the path, and counted; on_error='fail' stops the run in one line naming the same, DEST untouched."""
+    src = image_text_source(tmp_path, n=6)
     (tmp_path / src["rows"][1]["images"][0]).unlink()
-    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: no such image: img/s1-0"):
-        _convert(src, tmp_path / "ds")
+    (tmp_path / src["rows"][3]["images"][2]).unlink()
+    with pytest.raises(ConvertError) as err:
+        _convert(src, tmp_path / "ds", on_error="fail")
+    assert str(err.value) == "vlm.jsonl:2 (img/s1-0.png): images[0]: no such image (on_error='fail')"
+    assert not (tmp_path / "ds").exists()
+    result = _convert(src, tmp_path / "ds")
+    assert result.samples == 4 and [(s["path"], s["reason"]) for s in result.skipped] == [
+        ("vlm.jsonl:2 (img/s1-0.png)", "images[0]: no such image"),
+        ("vlm.jsonl:4 (img/s3-2.png)", "images[2]: no such image")]
+    assert "skipped 2" in result.summary() and "vlm.jsonl:4 (img/s3-2.png)" in result.summary()
+    assert [s["__key__"] for s in stored_image_text(tmp_path / "ds")] == ["00000000", "00000002", "00000004",
+                                                                         "00000005"]
+    assert load_manifest(tmp_path / "ds").skipped == result.skipped
+    code, out, _ = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), "--tokenizer", str(src["tokenizer"]),
+                            "--chat-template", str(src["config"]), "--image-field", "images", "--workers", "1"], capsys)
+    assert code == 0 and "skipped 2" in out and "images[2]: no such image" in out, out
+    for path in src["rows"][2]["images"]:  # every line an image of which is missing (a wrong --root, say)
+        (tmp_path / path).unlink()
+    src["source"].write_text("".join(json.dumps(r) + "\n" for r in src["rows"][1:4]))
+    with pytest.raises(ConvertError, match=r"^\S+vlm\.jsonl: every sample was skipped \(e\.g\. vlm\.jsonl:1 "
+                                           r"\(img/s1-0\.png\): images\[0\]: no such image\)$"):
+        _convert(src, tmp_path / "none")
 
 
 def test_an_undecodable_image_skips_its_sample_naming_the_line_or_stops_the_run(tmp_path):

@@ -86,7 +86,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--on-error", default="skip", show_default=True, metavar="skip|fail",
               help="A rejected input (corrupt or unreadable file, image over --max-pixels or of a type the Loader "
                    "does not decode, bad or empty label, "
-                   "path outside --root, symlink against the policy) is skipped and listed in the manifest, "
+                   "path outside --root, symlink against the policy, an image-text line's missing image) is "
+                   "skipped and listed in the manifest, "
                    "or stops the run.")
 @click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")
 @click.option("--name", default="shard", show_default=True, help="Shard file prefix: shards/NAME-000000.tar.")
