@@ -11,7 +11,9 @@ rule) and refuses, in one line naming the sample (``vlm.jsonl:3``), a line whose
 image count, an object the store does not answer for, or a path that is not an image. A line with a missing image
 (a file, or an object: each object's size is asked in the scan, many at once, :mod:`fastio.convert.objects`) is a
 rejected sample, a :class:`~fastio.converters.base.Skip` of the scan named ``vlm.jsonl:3 (img/b.png)``: skipped and
-listed, or, with ``on_error="fail"``, the run stopped naming it. Every other
+listed, or, with ``on_error="fail"``, the run stopped naming it. With ``max_tokens``, a conversation longer than
+that with its images expanded to ``image_seq_len`` (the Loader's measure) stops the run naming it
+(``overlong="refuse"``) or is a Skip of the scan (``"drop"``: listed, counted). Every other
 sample becomes an :class:`~fastio.converters.base.Entry` with its images (``0.jpg``, ``1.png``, ...: a
 :class:`~fastio.converters.base.FileRef`, or a :class:`~fastio.converters.base.UrlRef` that the worker checking it
 fetches) and its ``tokens.i32`` and ``mask.bits`` members (:mod:`fastio.formats.image_text`), and
@@ -42,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from fastio.checks import check_fields, checked, config_error, rule
+from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import ChatEncoder
 from fastio.convert.objects import downloaded, object_sizes
 from fastio.convert.run import ConvertConfig, ConvertResult, convert
@@ -59,6 +61,7 @@ from fastio.formats.image_text import (
     decode_sample,
     encode_mask,
     encode_tokens,
+    expanded_length,
     image_field_name,
     image_number,
 )
@@ -66,7 +69,7 @@ from fastio.storage import is_remote, local_or_url, parse_location
 from fastio.storage.checksum import sha256_file
 from fastio.words import agree, count
 
-__all__ = ["ImageTextOptions", "convert_image_text", "refuse_untrained", "scan_image_text"]
+__all__ = ["OVERLONG", "ImageTextOptions", "convert_image_text", "refuse_untrained", "scan_image_text"]
 
 _ENCODE_BATCH = 1024
 """Conversations the scan tokenizes at once: each one's encoding (ids, offsets, ...: ~170 bytes a token with
@@ -78,6 +81,8 @@ def _some_text(v: Any) -> bool:
     return isinstance(v, str) and v != ""
 
 
+OVERLONG = ("refuse", "drop")
+"""What becomes of a conversation longer than ``max_tokens`` (a chat conversion's choices but ``truncate``)."""
 _FIELD = rule(_some_text, "must be a field name")
 _TOKEN = rule(_some_text, "must be a token's text")
 
@@ -96,11 +101,31 @@ class ImageTextOptions:
     """The placeholder of one image in the messages' text: one of the tokenizer's added tokens."""
     messages_field: str = checked(_FIELD, default="messages")
     """The JSONL field holding each line's conversation."""
+    max_tokens: int | None = checked(positive_integer, default=None)
+    """The most tokens a conversation may have in a packed sequence (the training ``seq_len + 1``), each of its
+    images counted as ``image_seq_len`` tokens (:func:`fastio.formats.image_text.expanded_length`, the Loader's
+    rule); a longer one is handled by ``overlong``. None: no limit here (the Loader refuses a ``seq_len`` below
+    the longest)."""
+    image_seq_len: int | None = checked(positive_integer, default=None)
+    """With ``max_tokens`` (needed there, refused without it): the tokens each image becomes in the Loader
+    (:class:`fastio.ImageText`'s ``image_seq_len``)."""
+    overlong: str = checked(one_of(OVERLONG, " (an image-text conversion never truncates: the images of the turns cut "
+                                             "would be lost)"), default="refuse")
+    """A conversation over ``max_tokens``: the run stopped naming it (``refuse``), or left out, listed and counted
+    as a skipped line (``drop``); ``drop`` without ``max_tokens``: a ValueError."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
         object.__setattr__(self, "chat_template", Path(self.chat_template))
         check_fields(self, config_error)
+        if self.overlong != "refuse" and self.max_tokens is None:
+            raise ValueError(f"overlong={self.overlong!r} needs max_tokens=N (the most tokens a conversation may "
+                             "have; without it no conversation is over)")
+        if self.max_tokens is not None and self.image_seq_len is None:
+            raise ValueError("max_tokens needs image_seq_len=N (the tokens each image becomes in the Loader: "
+                             "fastio.ImageText's image_seq_len)")
+        if self.image_seq_len is not None and self.max_tokens is None:
+            raise ValueError("image_seq_len needs max_tokens=N (it only counts a conversation's length against it)")
 
 
 def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> ConvertResult:
@@ -190,7 +215,9 @@ class _Coder:
         return {"tokenizer_sha256": sha256_file(o.tokenizer), "template_sha256": self.template.sha256,
                 "image_token": o.image_token, "image_token_id": self.image_id, "image_field": o.image_field,
                 "messages_field": o.messages_field, "train_on": "generation", "tokens_field": TOKENS_FIELD,
-                "mask_field": MASK_FIELD}
+                "mask_field": MASK_FIELD,
+                **({} if o.max_tokens is None else {"max_tokens": o.max_tokens, "image_seq_len": o.image_seq_len,
+                                                   "overlong": o.overlong})}
 
 
 def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder | None = None,
@@ -229,15 +256,37 @@ def _encoded(rows: list[tuple[int, dict]], wheres: list[str], root: Path | str, 
     lines = []
     for i, ((_, row), where) in enumerate(zip(rows, wheres)):
         tokens = ids[ends[i] - lengths[i]:ends[i]]
+        placeholders = int(np.count_nonzero(tokens == coder.image_id))
         try:
-            fields = _images(row, where, root, options, int(np.count_nonzero(tokens == coder.image_id)))
+            fields = _images(row, where, root, options, placeholders)
         except _Missing as missing:
             lines.append(missing.skip)
+            continue
+        over = _overlong(options, where, int(lengths[i]), placeholders)
+        if over is not None:
+            lines.append(over)
             continue
         fields[TOKENS_FIELD] = encode_tokens(tokens)
         fields[MASK_FIELD] = encode_mask(mask[ends[i] - lengths[i]:ends[i]])
         lines.append(fields)
     return lines
+
+
+def _overlong(options: ImageTextOptions, where: str, tokens: int, images: int) -> Skip | None:
+    """The Skip of a line whose conversation of ``tokens`` tokens and ``images`` images is over ``max_tokens``
+    (its images expanded: :func:`~fastio.formats.image_text.expanded_length`) with ``overlong="drop"``; a
+    ConvertError naming it with ``"refuse"``; None where it fits (or there is no limit)."""
+    if options.max_tokens is None:
+        return None
+    length = expanded_length(tokens, images, options.image_seq_len)
+    if length <= options.max_tokens:
+        return None
+    counted = f" with its {count(images, 'image')} counted as image_seq_len {options.image_seq_len} each" if images \
+        else ""
+    if options.overlong == "refuse":
+        raise ConvertError(f"{where}: field {options.messages_field!r}: the conversation has {length} tokens{counted}, "
+                           f"more than max_tokens={options.max_tokens} (overlong='drop' handles such conversations)")
+    return Skip(where, f"{length} tokens{counted}, more than max_tokens={options.max_tokens} (overlong='drop')")
 
 
 def _root(source: Path | str, root: Path | None) -> Path | str:
