@@ -521,8 +521,9 @@ def test_conversations_over_max_tokens_with_their_images_expanded_are_refused_or
     kept = [s for i, s in enumerate(whole) if i not in over]
     assert stored_image_text(tmp_path / "dropped") == kept and result.samples == len(kept)
     assert [(s["path"], s["reason"]) for s in result.skipped] == [
-        (f"vlm.jsonl:{i + 1}", f"{counted(i)}, more than max_tokens={limit} (overlong='drop')") for i in over]
-    assert f"skipped {len(over)}" in result.summary()
+        (f"vlm.jsonl:{i + 1}", f"longer than max_tokens={limit}, each image counted as image_seq_len 8 tokens "
+                               "(overlong='drop')") for i in over]
+    assert f"skipped {len(over)}" in result.summary() and f"\n  {len(over)} inputs (vlm.jsonl:" in result.summary()
     recorded = load_manifest(tmp_path / "dropped").convert_options["image_text"]
     assert (recorded["max_tokens"], recorded["image_seq_len"], recorded["overlong"]) == (limit, 8, "drop")
     code, out, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), "--tokenizer", str(src["tokenizer"]),

@@ -286,7 +286,8 @@ def _overlong(options: ImageTextOptions, where: str, tokens: int, images: int) -
     if options.overlong == "refuse":
         raise ConvertError(f"{where}: field {options.messages_field!r}: the conversation has {length} tokens{counted}, "
                            f"more than max_tokens={options.max_tokens} (overlong='drop' handles such conversations)")
-    return Skip(where, f"{length} tokens{counted}, more than max_tokens={options.max_tokens} (overlong='drop')")
+    return Skip(where, f"longer than max_tokens={options.max_tokens}, each image counted as image_seq_len "
+                       f"{options.image_seq_len} tokens (overlong='drop')")  # one reason: the summary counts them once
 
 
 def _root(source: Path | str, root: Path | None) -> Path | str:
