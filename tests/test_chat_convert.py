@@ -158,12 +158,12 @@ def test_parts_merged_equal_the_whole_conversion_masks_included(tmp_path, option
     assert verify(tmp_path / "ds").ok and len(list((tmp_path / "ds" / "shards").glob("*.mask"))) > 1
 
 
-def _first_turns_that_fit(hf, chat, limit):
+def _first_turns_that_fit(hf, chat, limit, template=CHATML, reply="assistant"):
     """The reference for overlong='truncate': transformers' ids and mask of the longest run of first messages that
-    ends with an assistant reply and fits ``limit`` tokens (None: none does)."""
+    ends with an assistant reply (role ``reply``) and fits ``limit`` tokens (None: none does)."""
     for k in range(len(chat), 0, -1):
-        if chat[k - 1]["role"] == "assistant":
-            got = hf_ids_and_mask(hf, CHATML, chat[:k])
+        if chat[k - 1]["role"] == reply:
+            got = hf_ids_and_mask(hf, template, chat[:k])
             if len(got[0]) <= limit:
                 return got
     return None
@@ -190,6 +190,44 @@ def test_conversations_over_max_tokens_are_dropped_or_keep_their_first_turns_who
     source = load_manifest(dest).converted_from
     assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
     assert load_manifest(dest).tokens.chat.longest <= limit
+
+
+GPT_ROLES = ("{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'gpt' %}"
+             "{% generation %}{{ m.content + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+             "{% else %}{{ m.content + '<|im_end|>\\n' }}{% endif %}{% endfor %}")
+"""ChatML for ShareGPT's roles: 'gpt' replies trained, 'human' and 'system' prompts."""
+
+
+@pytest.mark.parametrize(("template", "train_on"), [(GPT_ROLES, "generation"), (GPT_ROLES, "all"),
+                                                    (GPT_ROLES.replace("{% generation %}", "").replace(
+                                                        "{% endgeneration %}", ""), "all")],
+                         ids=["generation", "all", "no-blocks"])
+def test_truncate_keeps_the_first_turns_of_conversations_in_sharegpt_roles(tmp_path, template, train_on):
+    """Found by review: overlong='truncate' cut only after a message of role 'assistant', so a conversation whose
+    replies are ShareGPT's 'gpt' (a template that trains them) was dropped, counted, instead of truncated. A cut
+    now ends after a message the template renders inside a {% generation %} block, whatever its role (without
+    blocks: after one of the reply roles, 'gpt' among them)."""
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    limit, names = 80, {"user": "human", "assistant": "gpt"}
+    chats = [[{**m, "role": names.get(m["role"], m["role"])} for m in c] for c in conversations(60, 0)]
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    config = chat_config(tmp_path / "tokenizer_config.json", template)
+    write_chats(tmp_path / "chats.jsonl", chats)
+    result = convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "chat", tmp_path / "tokenizer.json",
+                                               chat_template=config, workers=1, max_tokens=limit,
+                                               overlong="truncate", train_on=train_on))
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
+    want, dropped, truncated = [], 0, 0
+    for chat in chats:
+        full = hf_ids_and_mask(hf, template, chat)
+        cut = full if len(full[0]) <= limit else _first_turns_that_fit(hf, chat, limit, template, "gpt")
+        dropped, truncated = dropped + (cut is None), truncated + (cut is not None and cut is not full)
+        if cut is not None:
+            want.append(cut if train_on == "generation" else (cut[0], [1] * len(cut[0])))
+    assert truncated > 0 and result.documents == len(want)
+    assert stored_conversations(tmp_path / "chat") == want
+    source = load_manifest(tmp_path / "chat").converted_from
+    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
 
 
 def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path):

@@ -113,6 +113,8 @@ def test_bad_messages_and_template_failures_name_the_line_and_field(chat_files):
         ([{"from": "human", "value": "hi"}],
          "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}) (ShareGPT's"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "c.jsonl:1: messages[1] has no 'content'"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "reasoning_content": 5}],
+         "c.jsonl:1: messages[1].reasoning_content is int, not text"),
         ([{"role": "tool", "content": "hi"}], "c.jsonl:1: field 'messages': chat template "),
         ("hello", "c.jsonl:1: field 'messages' is str, not a list of messages"),
     ]
@@ -255,3 +257,49 @@ def test_hostile_conversations_equal_transformers(chat_files, template):
         assert (ids, mask) == want, f"conversation {i}"
         compared += 1
     assert compared >= 6
+
+
+QWEN3_SHAPED = (
+    "{% for m in messages %}{{ '<|im_start|>' + m.role + '\\n' }}{% if m.role == 'assistant' %}{% generation %}"
+    "{% set content = m.content if m.content is string else '' %}"
+    "{% if m.reasoning_content is string %}{{ '<think>' + m.reasoning_content + '</think>' }}{% endif %}"
+    "{{ content + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}{% else %}{{ m.content + '<|im_end|>\\n' }}"
+    "{% endif %}{% endfor %}"
+)
+"""Qwen 3's shape: a reply's reasoning rendered before its content, a content that is not text taken as empty."""
+CONTENT_ALWAYS = QWEN3_SHAPED.replace("{% set content = m.content if m.content is string else '' %}", "").replace(
+    "{{ content + '<|im_end|>' }}", "{{ m.content + '<|im_end|>' }}")
+"""The same, but the reply's content always read: a reply of reasoning alone fails in transformers."""
+
+
+@pytest.mark.parametrize("reasoning", ["reasoning_content", "thinking", "reasoning"])
+@pytest.mark.parametrize("content", [None, "absent", ""], ids=["null", "absent", "empty"])
+def test_a_reply_of_reasoning_alone_renders_as_transformers_renders_it(chat_files, reasoning, content):
+    """Found by review: an assistant message of reasoning only (content null or absent, reasoning_content set,
+    as DeepSeek-R1 and Qwen 3 traces hold) was refused ('has no 'content' and no 'tool_calls''), though
+    transformers renders it where the template reads the reasoning. Now its ids and mask equal transformers';
+    under a template that reads the content anyway, transformers fails, and so does convert, in one line naming
+    the line, the message and what it lacks."""
+    tok, root = chat_files
+    reply = {"role": "assistant", reasoning: "beta gamma"} | ({} if content == "absent" else {"content": content})
+    chat = [{"role": "user", "content": "alpha"}, reply, {"role": "user", "content": "delta"},
+            {"role": "assistant", "content": "epsilon"}]
+    config = chat_config(root / "qwen3.json", QWEN3_SHAPED)
+    encoder, _ = _encoder(tok, config)
+    (ids, mask), = _each(encoder, [chat])
+    assert (ids, mask) == hf_ids_and_mask(hf_tokenizer(tok, config), QWEN3_SHAPED, chat)
+    assert "<think>beta gamma</think>" in load_tokenizer(tok).decode(ids, skip_special_tokens=False)
+    config = chat_config(root / "always.json", CONTENT_ALWAYS)
+    encoder, _ = _encoder(tok, config)
+    if content == "":
+        (ids, mask), = _each(encoder, [chat])
+        assert (ids, mask) == hf_ids_and_mask(hf_tokenizer(tok, config), CONTENT_ALWAYS, chat)
+        return
+    with pytest.raises(Exception, match="has no attribute 'content'"):
+        hf_ids_and_mask(hf_tokenizer(tok, config), CONTENT_ALWAYS, chat)
+    with pytest.raises(ConvertError) as err:
+        encoder.encode(["c.jsonl:1"], [chat])
+    assert str(err.value).startswith("c.jsonl:1: field 'messages': chat template "), str(err.value)
+    assert str(err.value).endswith(f"(messages[1] has {reasoning} and no 'content': this template reads a reply's "
+                                   "content)"), str(err.value)
+    assert "\n" not in str(err.value)

@@ -87,7 +87,7 @@ def test_an_empty_image_token_is_refused_not_replaced_by_the_default(source, tmp
     assert not (tmp_path / "d").exists()
 
 
-@pytest.mark.parametrize("flag,value", [("--train-on", "all"), ("--eos", "<s>"), ("--max-tokens", "10")])
+@pytest.mark.parametrize("flag,value", [("--train-on", "all"), ("--eos", "<s>"), ("--special-in-text", "plain")])
 def test_a_token_conversion_flag_is_refused_naming_that_flag_alone(source, tmp_path, capsys, flag, value):
     _with_line(source, json.dumps(source["rows"][2]))
     code, _, err = run_cli(["convert", str(source["source"]), str(tmp_path / "d"), "--tokenizer",

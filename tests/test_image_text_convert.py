@@ -21,6 +21,7 @@ from fastio.dataset.shards import ShardWriter
 from fastio.errors import ConvertError
 from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, decode_sample, image_number
 from fastio.report.verify import verify
+from fastio.words import count as _count
 from tests.helpers import run_cli
 from tests.tokens_helpers import (
     CHATML,
@@ -343,11 +344,34 @@ def test_a_file_url_names_its_local_image_as_its_path_does(tmp_path):
         _convert(src, tmp_path / "outside")
 
 
-def test_a_missing_image_is_refused_naming_the_line(tmp_path):
-    src = image_text_source(tmp_path, n=4)
+def test_a_missing_image_skips_its_sample_naming_the_line_or_stops_the_run(tmp_path, capsys):
+    """Found by review: a conversation whose image file is missing stopped the run even with on_error='skip' (the
+    default), unlike a sample whose image does not decode. It is now a rejected sample: skipped, listed naming the
+    line and the path, and counted; on_error='fail' stops the run in one line naming the same, DEST untouched."""
+    src = image_text_source(tmp_path, n=6)
     (tmp_path / src["rows"][1]["images"][0]).unlink()
-    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: images\[0\]: no such image: img/s1-0"):
-        _convert(src, tmp_path / "ds")
+    (tmp_path / src["rows"][3]["images"][2]).unlink()
+    with pytest.raises(ConvertError) as err:
+        _convert(src, tmp_path / "ds", on_error="fail")
+    assert str(err.value) == "vlm.jsonl:2 (img/s1-0.png): images[0]: no such image (on_error='fail')"
+    assert not (tmp_path / "ds").exists()
+    result = _convert(src, tmp_path / "ds")
+    assert result.samples == 4 and [(s["path"], s["reason"]) for s in result.skipped] == [
+        ("vlm.jsonl:2 (img/s1-0.png)", "images[0]: no such image"),
+        ("vlm.jsonl:4 (img/s3-2.png)", "images[2]: no such image")]
+    assert "skipped 2" in result.summary() and "vlm.jsonl:4 (img/s3-2.png)" in result.summary()
+    assert [s["__key__"] for s in stored_image_text(tmp_path / "ds")] == ["00000000", "00000002", "00000004",
+                                                                         "00000005"]
+    assert load_manifest(tmp_path / "ds").skipped == result.skipped
+    code, out, _ = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), "--tokenizer", str(src["tokenizer"]),
+                            "--chat-template", str(src["config"]), "--image-field", "images", "--workers", "1"], capsys)
+    assert code == 0 and "skipped 2" in out and "images[2]: no such image" in out, out
+    for path in src["rows"][2]["images"]:  # every line an image of which is missing (a wrong --root, say)
+        (tmp_path / path).unlink()
+    src["source"].write_text("".join(json.dumps(r) + "\n" for r in src["rows"][1:4]))
+    with pytest.raises(ConvertError, match=r"^\S+vlm\.jsonl: every sample was skipped \(e\.g\. vlm\.jsonl:1 "
+                                           r"\(img/s1-0\.png\): images\[0\]: no such image\)$"):
+        _convert(src, tmp_path / "none")
 
 
 def test_an_undecodable_image_skips_its_sample_naming_the_line_or_stops_the_run(tmp_path):
@@ -463,3 +487,60 @@ def test_parts_count_their_trained_tokens_and_older_parts_without_the_count_stil
     assert load_manifest(tmp_path / "merged").image_text == info
     old = load_manifest(tmp_path / "old").image_text
     assert (old.trained_tokens, old.total_tokens, old.max_id) == (None, None, info.max_id)
+
+
+def test_conversations_over_max_tokens_with_their_images_expanded_are_refused_or_dropped(tmp_path, capsys):
+    """Found by review: an image-text conversion refused --max-tokens and --overlong, so a conversation longer than
+    the training sequence was converted and only refused by the Loader, with no way to leave it out. Now a line
+    over max_tokens, counting each image as image_seq_len tokens (the Loader's rule), stops the run naming it
+    (overlong='refuse', the default) or is left out, listed and counted (overlong='drop'); the others are stored
+    as without the limit."""
+    src = image_text_source(tmp_path, n=12)
+    _convert(src, tmp_path / "whole")
+    whole = stored_image_text(tmp_path / "whole")
+    lengths = [len(decode_sample(s[TOKENS_FIELD], s[MASK_FIELD])[0]) + 7 * len(_images(s)) for s in whole]
+    limit = sorted(lengths)[len(lengths) // 2]
+    over = [i for i, n in enumerate(lengths) if n > limit]
+    assert 0 < len(over) < len(lengths) and any(len(_images(whole[i])) for i in over)
+
+    def convert(dest, **options):
+        return convert_image_text(ConvertConfig(src["source"], dest, workers=1),
+                                  ImageTextOptions(src["tokenizer"], src["config"], **options))
+
+    def counted(i):
+        images = len(_images(whole[i]))
+        return f"{lengths[i]} tokens" + (f" with its {_count(images, 'image')} counted as image_seq_len 8 each"
+                                         if images else "")
+
+    with pytest.raises(ConvertError) as err:
+        convert(tmp_path / "refused", max_tokens=limit, image_seq_len=8)
+    assert str(err.value) == (f"vlm.jsonl:{over[0] + 1}: field 'messages': the conversation has {counted(over[0])}, "
+                              f"more than max_tokens={limit} (overlong='drop' handles such conversations)")
+    assert not (tmp_path / "refused").exists()
+    result = convert(tmp_path / "dropped", max_tokens=limit, image_seq_len=8, overlong="drop")
+    kept = [s for i, s in enumerate(whole) if i not in over]
+    assert stored_image_text(tmp_path / "dropped") == kept and result.samples == len(kept)
+    assert [(s["path"], s["reason"]) for s in result.skipped] == [
+        (f"vlm.jsonl:{i + 1}", f"longer than max_tokens={limit}, each image counted as image_seq_len 8 tokens "
+                               "(overlong='drop')") for i in over]
+    assert f"skipped {len(over)}" in result.summary() and f"\n  {len(over)} inputs (vlm.jsonl:" in result.summary()
+    recorded = load_manifest(tmp_path / "dropped").convert_options["image_text"]
+    assert (recorded["max_tokens"], recorded["image_seq_len"], recorded["overlong"]) == (limit, 8, "drop")
+    code, out, err = run_cli(["convert", str(src["source"]), str(tmp_path / "cli"), "--tokenizer", str(src["tokenizer"]),
+                              "--chat-template", str(src["config"]), "--image-field", "images", "--workers", "1",
+                              "--max-tokens", str(limit), "--image-seq-len", "8", "--overlong", "drop"], capsys)
+    assert code == 0 and f"skipped {len(over)}" in out and stored_image_text(tmp_path / "cli") == kept, err
+    for flags, said in [(["--max-tokens", "9"], "--max-tokens needs --image-seq-len N (the tokens each image becomes "
+                                                "in the Loader: fastio.ImageText's image_seq_len)"),
+                        (["--overlong", "drop"], "--overlong drop needs --max-tokens N (the most tokens a "
+                                                 "conversation may have; without it no conversation is over)"),
+                        (["--image-seq-len", "8"], "--image-seq-len needs --max-tokens N (it only counts a "
+                                                   "conversation's length against it)"),
+                        (["--max-tokens", "9", "--image-seq-len", "8", "--overlong", "truncate"],
+                         "--overlong must be one of refuse, drop (an image-text conversion never truncates: the "
+                         "images of the turns cut would be lost), got 'truncate'")]:
+        code, _, err = run_cli(["convert", str(src["source"]), str(tmp_path / "bad"), "--tokenizer",
+                                str(src["tokenizer"]), "--chat-template", str(src["config"]), "--image-field", "images",
+                                "--workers", "1", *flags], capsys)
+        assert code == 2 and err == f"fastio: error: {said}\n", err
+    assert not (tmp_path / "bad").exists()

@@ -295,7 +295,9 @@ def test_other_datasets_and_unpackable_samples_are_refused_in_one_line(vlm, imag
                                                r"datasets of fastio convert --image-field \(docs/image-text.md\)$"):
             _loader(dest)
     with pytest.raises(DatasetError, match=r"^\S+/ds: shard \S+ key '\d+': \d+ tokens with its \d images expanded to "
-                                           r"image_seq_len 12, more than seq_len \+ 1 = 65: a sample is never cut"):
+                                           r"image_seq_len 12, more than seq_len \+ 1 = 65: a sample is never cut; "
+                                           r"raise seq_len to at least \d+, or convert again with --max-tokens 65 "
+                                           r"--image-seq-len 12 --overlong drop$"):
         _loader(vlm["ds"], seq_len=64)
 
 

@@ -85,11 +85,17 @@ def _closed_port() -> int:
 
 
 def test_a_missing_object_or_an_unreachable_store_is_refused_naming_the_line_and_the_url(tmp_path, vlm):
+    """A missing object skips its line (listed naming the line and the URL), or stops the run with on_error='fail',
+    as a missing local file does; a store that does not answer stops the run."""
     bucket, store = vlm["bucket"], vlm["store"]
     store.delete("img/s2-1.jpg")
-    with pytest.raises(ConvertError, match=rf"^remote\.jsonl:3: images\[1\]: no such image: s3://{bucket}/vlm/img/"
-                                           r"s2-1\.jpg$"):
-        _convert(vlm, vlm["remote"], tmp_path / "ds")
+    with pytest.raises(ConvertError, match=rf"^remote\.jsonl:3 \(s3://{bucket}/vlm/img/s2-1\.jpg\): images\[1\]: no "
+                                           r"such image \(on_error='fail'\)$"):
+        _convert(vlm, vlm["remote"], tmp_path / "ds", on_error="fail")
+    result = _convert(vlm, vlm["remote"], tmp_path / "skipped")
+    assert [(s["path"], s["reason"]) for s in result.skipped] == [
+        (f"remote.jsonl:3 (s3://{bucket}/vlm/img/s2-1.jpg)", "images[1]: no such image")]
+    assert result.samples == len(vlm["rows"]) - 1
     down = {"endpoint": f"http://127.0.0.1:{_closed_port()}", "retries": 0}
     with pytest.raises(ConvertError, match=rf"^remote\.jsonl:3: images\[0\]: s3://{bucket}/vlm/img/s2-0\.png: HEAD "
                                            "failed") as err:

@@ -86,7 +86,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--on-error", default="skip", show_default=True, metavar="skip|fail",
               help="A rejected input (corrupt or unreadable file, image over --max-pixels or of a type the Loader "
                    "does not decode, bad or empty label, "
-                   "path outside --root, symlink against the policy) is skipped and listed in the manifest, "
+                   "path outside --root, symlink against the policy, an image-text line's missing image) is "
+                   "skipped and listed in the manifest, "
                    "or stops the run.")
 @click.option("--overwrite", is_flag=True, help="Replace a DEST that holds a dataset or other files.")
 @click.option("--name", default="shard", show_default=True, help="Shard file prefix: shards/NAME-000000.tar.")
@@ -136,11 +137,14 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--max-tokens", type=int, default=None, metavar="N",
               help="With --chat-template: the most tokens a conversation may have (the training seq_len + 1); a "
                    "longer one is handled by --overlong, never cut mid-turn (default: no limit; the Loader refuses a "
-                   "seq_len + 1 below the longest).")
+                   "seq_len + 1 below the longest). With --image-field too: each image counted as --image-seq-len "
+                   "tokens.")
 @click.option("--overlong", default=None, metavar="refuse|drop|truncate",
               help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
-                   "out and counted (drop), or keeps its first turns that fit, whole (truncate; counted); drop and "
-                   "truncate without --max-tokens are refused.")
+                   "out and counted (drop), or keeps its first turns that fit, whole, ending with a reply the template "
+                   "trains, whatever its role (truncate; counted); drop and "
+                   "truncate without --max-tokens are refused. With --image-field: refuse or drop (a dropped line "
+                   "is listed as skipped).")
 @click.option("--image-field", default=None, metavar="FIELD",
               help="With --tokenizer and --chat-template: an image-text conversion (docs/image-text.md): each JSONL "
                    "line's FIELD lists its images (paths relative to the JSONL's folder, or s3:// URLs; the JSONL may "
@@ -149,6 +153,9 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.option("--image-token", default=None, metavar="TOKEN",
               help="With --image-field: the placeholder of one image in the messages' text, one of the "
                    "tokenizer's added tokens (default: <image>).")
+@click.option("--image-seq-len", type=int, default=None, metavar="N",
+              help="With --image-field and --max-tokens (needed there): the tokens each image becomes in the Loader "
+                   "(fastio.ImageText's image_seq_len), counted against --max-tokens.")
 @storage_flags()
 def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_samples_per_shard: int | None,
             workers: int | None, shuffle: bool, seed: int, split_by: str | None, split: str | None, max_side: int | None,
@@ -157,7 +164,8 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             quiet: bool, progress_every: float, staging_dir: Path | None, tokenizer: Path | None,
             text_field: str | None, eos: str | None, special_in_text: str | None, chat_template: Path | None,
             messages_field: str | None, train_on: str | None, max_tokens: int | None, overlong: str | None,
-            image_field: str | None, image_token: str | None, endpoint_url: str | None, region: str | None,
+            image_field: str | None, image_token: str | None, image_seq_len: int | None, endpoint_url: str | None,
+            region: str | None,
             profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
@@ -170,8 +178,9 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
     from fastio.convert.run import convert as run_convert
 
     image_text = _image_text_options(tokenizer, chat_template, image_field, image_token, messages_field,
+                                     {"max_tokens": max_tokens, "overlong": overlong, "image_seq_len": image_seq_len},
                                      {"text_field": text_field, "eos": eos, "special_in_text": special_in_text,
-                                      "train_on": train_on, "max_tokens": max_tokens, "overlong": overlong})
+                                      "train_on": train_on})
     if image_text is None and any(v is not None for v in (tokenizer, text_field, eos, special_in_text, chat_template,
                                                           messages_field, train_on, max_tokens, overlong)):
         _convert_tokens(click.get_current_context(), quiet, workers=workers)
@@ -247,12 +256,16 @@ def _mixture_file(dest: str) -> bool:
 
 
 def _image_text_options(tokenizer: Path | None, chat_template: Path | None, image_field: str | None,
-                        image_token: str | None, messages_field: str | None, others: dict[str, Any]):
-    """An image-text conversion's options (``--image-field`` given), refusing the token-only flags (``others``:
-    parameter name -> value, None where not given) by name; None without."""
+                        image_token: str | None, messages_field: str | None, lengths: dict[str, Any],
+                        others: dict[str, Any]):
+    """An image-text conversion's options (``--image-field`` given; ``lengths``: ``max_tokens``, ``overlong`` and
+    ``image_seq_len``, None where not given), refusing the token-only flags (``others``: parameter name -> value,
+    None where not given) by name; None without."""
     if image_field is None:
-        if image_token is not None:
-            raise ConvertError("--image-token needs --image-field (an image-text conversion)")
+        for name in ("image_token", "image_seq_len"):
+            if {"image_token": image_token, **lengths}[name] is not None:
+                raise ConvertError(f"{long_flag(click.get_current_context(), name)} needs --image-field (an "
+                                   "image-text conversion)")
         return None
     if tokenizer is None or chat_template is None:
         raise ConvertError("--image-field needs --tokenizer and --chat-template (an image-text conversion)")
@@ -264,7 +277,9 @@ def _image_text_options(tokenizer: Path | None, chat_template: Path | None, imag
     try:
         return ImageTextOptions(tokenizer, chat_template, image_field=image_field,
                                 image_token=_given(image_token, "<image>"),
-                                messages_field=_given(messages_field, "messages"))
+                                messages_field=_given(messages_field, "messages"),
+                                max_tokens=lengths["max_tokens"], image_seq_len=lengths["image_seq_len"],
+                                overlong=_given(lengths["overlong"], "refuse"))
     except ValueError as err:
         raise ConvertError(_in_flags(str(err), leading=True)) from None
 

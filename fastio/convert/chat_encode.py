@@ -12,9 +12,11 @@ ConvertError naming its file and line (``where``), the field and what is wrong.
 
 A conversation longer than ``max_tokens`` (None: no limit here; the Loader refuses a ``seq_len`` that would cut
 one) is never cut mid-turn: ``overlong="refuse"`` is a ConvertError naming it, ``"drop"`` leaves it out (counted),
-``"truncate"`` keeps its first turns whole: the longest run of its first messages that ends with an assistant
-message and renders within ``max_tokens`` (rendered again, as a conversation of those messages; counted), or drops
-it when none does (counted as dropped).
+``"truncate"`` keeps its first turns whole: the longest run of its first messages that ends with a reply and
+renders within ``max_tokens`` (rendered again, as a conversation of those messages; counted), or drops it when none
+does (counted as dropped). A reply is a message the template renders inside a ``{% generation %}`` block (the run
+ending with it has one more block than the run without it), whatever its role, so ShareGPT's ``gpt`` under a
+template that trains it is one; under a template without blocks (``train_on="all"``), one of :data:`REPLY_ROLES`.
 """
 
 from __future__ import annotations
@@ -28,21 +30,26 @@ import numpy as np
 from fastio.errors import ConvertError
 from fastio.formats.assistant_mask import assistant_mask
 from fastio.formats.byte_level_bpe import ByteLevelBPE
-from fastio.formats.chat_template import ChatTemplate, ChatTemplateError, render
+from fastio.formats.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, render
 
-__all__ = ["OVERLONG", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
+__all__ = ["OVERLONG", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
 
 TRAIN_ON = ("generation", "all")
 """What a chat conversion trains on: the template's ``{% generation %}`` blocks, or every token."""
 OVERLONG = ("refuse", "drop", "truncate")
 """What becomes of a conversation longer than ``max_tokens``."""
+REPLY_ROLES = ("assistant", "gpt", "model")
+"""The roles of a reply where the template marks no ``{% generation %}`` block (``overlong="truncate"`` cuts after
+one): OpenAI's, ShareGPT's and Gemma's."""
 
 
 def check_messages(messages: Any, where: str, field: str) -> None:
     """ConvertError naming ``where`` and ``field[i]`` unless ``messages`` is a non-empty list of messages, each an
-    object with a text ``role`` and a ``content`` (text, or a list of content parts) or ``tool_calls`` (a list: an
+    object with a text ``role`` and a ``content`` (text, or a list of content parts), ``tool_calls`` (a list: an
     assistant's calls, its content None or absent; a None value is dropped before rendering, as transformers
-    drops it)."""
+    drops it) or reasoning (text under one of :data:`~fastio.formats.chat_template.REASONING_FIELDS`: a reply of
+    reasoning alone, its content None or absent, rendered as transformers renders it; a template that reads the
+    content anyway fails on it, :meth:`ChatEncoder.rendered` says why)."""
     if not isinstance(messages, list) or not messages:
         what = ("an empty list" if isinstance(messages, list) else "missing or null" if messages is None else
                 type(messages).__name__)
@@ -60,15 +67,34 @@ def _check_message(m: Any, at: str) -> None:
         raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...})' + sharegpt)
     if not isinstance(m["role"], str):
         raise ConvertError(f"{at}.role is {type(m['role']).__name__}, not text")
-    content, calls = m.get("content"), m.get("tool_calls")
-    if content is None and calls is None:
+    content, calls, reasoning = m.get("content"), m.get("tool_calls"), _reasoning(m)
+    if content is None and calls is None and reasoning is None:
         raise ConvertError(f"{at} has no 'content' and no 'tool_calls' (a message is "
                            '{"role": ..., "content": ...}, or an assistant\'s {"role": "assistant", "tool_calls": '
-                           "[...]})")
+                           '[...]} or {"role": "assistant", "reasoning_content": ...})')
+    if content is None and calls is None and not isinstance(m[reasoning], str):
+        raise ConvertError(f"{at}.{reasoning} is {type(m[reasoning]).__name__}, not text")
     if content is not None and not isinstance(content, (str, list)):
         raise ConvertError(f"{at}.content is {type(content).__name__}, not text or a list of content parts")
     if calls is not None and not isinstance(calls, list):
         raise ConvertError(f"{at}.tool_calls is {type(calls).__name__}, not a list of tool calls")
+
+
+def _reasoning(m: dict) -> str | None:
+    """The key of a message's reasoning (the first of :data:`~fastio.formats.chat_template.REASONING_FIELDS` set, as
+    transformers takes it), None without."""
+    return next((k for k in REASONING_FIELDS if m.get(k) is not None), None)
+
+
+def _reasoning_alone(messages: list, field: str, error: str) -> str:
+    """Where a template failed on ``error`` naming ``content``: `` (field[i] has reasoning_content and no 'content':
+    this template reads a reply's content)`` for the first message of reasoning alone; "" otherwise."""
+    if "content" not in error:
+        return ""
+    alone = next(((i, k) for i, m in enumerate(messages) if m.get("content") is None and m.get("tool_calls") is None
+                  and (k := _reasoning(m)) is not None), None)
+    return "" if alone is None else (f" ({field}[{alone[0]}] has {alone[1]} and no 'content': this template reads "
+                                     "a reply's content)")
 
 
 def refuse_unencodable(wheres: Sequence[str], texts: Sequence[str], field: str) -> None:
@@ -100,7 +126,8 @@ class ChatEncoder:
         try:
             return render(self.template, messages)
         except ChatTemplateError as err:
-            raise ConvertError(f"{where}: field {self.field!r}: chat template {self.template.path}: {err}") from None
+            raise ConvertError(f"{where}: field {self.field!r}: chat template {self.template.path}: {err}"
+                               f"{_reasoning_alone(messages, self.field, str(err))}") from None
 
     def encode(self, wheres: Sequence[str], conversations: Sequence[Any]
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
@@ -149,13 +176,35 @@ class ChatEncoder:
         return kept_e, kept_s
 
     def _truncated(self, messages: list, where: str) -> tuple[Any, list[tuple[int, int]]] | tuple[None, None]:
-        """The encoding and spans of the longest run of the first messages ending with an assistant message that
-        fits ``max_tokens``; (None, None) when none does."""
+        """The encoding and spans of the longest run of the first messages ending with a reply
+        (:meth:`_ends_with_reply`) that fits ``max_tokens``; (None, None) when none does. A run the template refuses
+        (one that ends where the template wants another turn) is no place to cut."""
+        renders: dict[int, tuple[str, list[tuple[int, int]]] | None] = {0: ("", [])}
+
+        def prefix(k: int) -> tuple[str, list[tuple[int, int]]] | None:
+            if k not in renders:
+                try:
+                    renders[k] = self.rendered(messages[:k], where)
+                except ConvertError:
+                    renders[k] = None
+            return renders[k]
+
         for k in range(len(messages) - 1, 0, -1):
-            if messages[k - 1].get("role") != "assistant":
+            if prefix(k) is None or not self._ends_with_reply(messages[k - 1], prefix(k), prefix(k - 1)):
                 continue
-            text, spans = self.rendered(messages[:k], where)
+            text, spans = prefix(k)
             e = self.tokenizer.encode(text, add_special_tokens=False)
             if len(e.ids) <= self.max_tokens:
                 return e, spans
         return None, None
+
+    def _ends_with_reply(self, last: dict, run: tuple[str, list], before: tuple[str, list] | None) -> bool:
+        """Whether a run of first messages ending with ``last`` (``run``: its text and generation spans; ``before``:
+        those of the run without it, None where the template refused that run) ends with a reply, a place
+        ``overlong="truncate"`` may cut after: a message the template renders inside a ``{% generation %}`` block,
+        whatever its role (ShareGPT's ``gpt`` under a template that trains it); for a template without such blocks
+        (``train_on="all"``), or where the run without it cannot be rendered to compare, a message of a role in
+        :data:`REPLY_ROLES`."""
+        if self.template.has_generation and before is not None:
+            return len(run[1]) > len(before[1])
+        return last.get("role") in REPLY_ROLES

@@ -8,8 +8,12 @@ itself may be an ``s3://`` URL (downloaded to be read; its relative paths name o
 (this module, in the converting process) renders and tokenizes every conversation as a chat conversion does
 (:class:`fastio.convert.chat_encode.ChatEncoder`: the template, its ``{% generation %}`` spans, transformers' mask
 rule) and refuses, in one line naming the sample (``vlm.jsonl:3``), a line whose image-token count differs from its
-image count, a missing image (a file, or an object: each object's size is asked in the scan, many at once,
-:mod:`fastio.convert.objects`), an object the store does not answer for, or a path that is not an image. Every
+image count, an object the store does not answer for, or a path that is not an image. A line with a missing image
+(a file, or an object: each object's size is asked in the scan, many at once, :mod:`fastio.convert.objects`) is a
+rejected sample, a :class:`~fastio.converters.base.Skip` of the scan named ``vlm.jsonl:3 (img/b.png)``: skipped and
+listed, or, with ``on_error="fail"``, the run stopped naming it. With ``max_tokens``, a conversation longer than
+that with its images expanded to ``image_seq_len`` (the Loader's measure) stops the run naming it
+(``overlong="refuse"``) or is a Skip of the scan (``"drop"``: listed, counted). Every other
 sample becomes an :class:`~fastio.converters.base.Entry` with its images (``0.jpg``, ``1.png``, ...: a
 :class:`~fastio.converters.base.FileRef`, or a :class:`~fastio.converters.base.UrlRef` that the worker checking it
 fetches) and its ``tokens.i32`` and ``mask.bits`` members (:mod:`fastio.formats.image_text`), and
@@ -40,13 +44,13 @@ from typing import Any
 
 import numpy as np
 
-from fastio.checks import check_fields, checked, config_error, rule
+from fastio.checks import check_fields, checked, config_error, one_of, positive_integer, rule
 from fastio.convert.chat_encode import ChatEncoder
 from fastio.convert.objects import downloaded, object_sizes
 from fastio.convert.run import ConvertConfig, ConvertResult, convert
 from fastio.convert.token_convert import eos_token_id, load_tokenizer, tokenizer_sha256, vocab_size, with_specials
 from fastio.convert.token_convert import refuse_untrained as refuse_chat_untrained
-from fastio.converters.base import Entry, FileRef, ScanResult, UrlRef, image_field_for_suffix, resolve_inside
+from fastio.converters.base import Entry, FileRef, ScanResult, Skip, UrlRef, image_field_for_suffix, resolve_inside
 from fastio.converters.table import read_rows
 from fastio.dataset.manifest import ImageTextInfo
 from fastio.errors import ConvertError, StorageError
@@ -57,6 +61,7 @@ from fastio.formats.image_text import (
     decode_sample,
     encode_mask,
     encode_tokens,
+    expanded_length,
     image_field_name,
     image_number,
 )
@@ -64,7 +69,7 @@ from fastio.storage import is_remote, local_or_url, parse_location
 from fastio.storage.checksum import sha256_file
 from fastio.words import agree, count
 
-__all__ = ["ImageTextOptions", "convert_image_text", "refuse_untrained", "scan_image_text"]
+__all__ = ["OVERLONG", "ImageTextOptions", "convert_image_text", "refuse_untrained", "scan_image_text"]
 
 _ENCODE_BATCH = 1024
 """Conversations the scan tokenizes at once: each one's encoding (ids, offsets, ...: ~170 bytes a token with
@@ -76,6 +81,8 @@ def _some_text(v: Any) -> bool:
     return isinstance(v, str) and v != ""
 
 
+OVERLONG = ("refuse", "drop")
+"""What becomes of a conversation longer than ``max_tokens`` (a chat conversion's choices but ``truncate``)."""
 _FIELD = rule(_some_text, "must be a field name")
 _TOKEN = rule(_some_text, "must be a token's text")
 
@@ -94,11 +101,31 @@ class ImageTextOptions:
     """The placeholder of one image in the messages' text: one of the tokenizer's added tokens."""
     messages_field: str = checked(_FIELD, default="messages")
     """The JSONL field holding each line's conversation."""
+    max_tokens: int | None = checked(positive_integer, default=None)
+    """The most tokens a conversation may have in a packed sequence (the training ``seq_len + 1``), each of its
+    images counted as ``image_seq_len`` tokens (:func:`fastio.formats.image_text.expanded_length`, the Loader's
+    rule); a longer one is handled by ``overlong``. None: no limit here (the Loader refuses a ``seq_len`` below
+    the longest)."""
+    image_seq_len: int | None = checked(positive_integer, default=None)
+    """With ``max_tokens`` (needed there, refused without it): the tokens each image becomes in the Loader
+    (:class:`fastio.ImageText`'s ``image_seq_len``)."""
+    overlong: str = checked(one_of(OVERLONG, " (an image-text conversion never truncates: the images of the turns cut "
+                                             "would be lost)"), default="refuse")
+    """A conversation over ``max_tokens``: the run stopped naming it (``refuse``), or left out, listed and counted
+    as a skipped line (``drop``); ``drop`` without ``max_tokens``: a ValueError."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tokenizer", Path(self.tokenizer))
         object.__setattr__(self, "chat_template", Path(self.chat_template))
         check_fields(self, config_error)
+        if self.overlong != "refuse" and self.max_tokens is None:
+            raise ValueError(f"overlong={self.overlong!r} needs max_tokens=N (the most tokens a conversation may "
+                             "have; without it no conversation is over)")
+        if self.max_tokens is not None and self.image_seq_len is None:
+            raise ValueError("max_tokens needs image_seq_len=N (the tokens each image becomes in the Loader: "
+                             "fastio.ImageText's image_seq_len)")
+        if self.image_seq_len is not None and self.max_tokens is None:
+            raise ValueError("image_seq_len needs max_tokens=N (it only counts a conversation's length against it)")
 
 
 def convert_image_text(config: ConvertConfig, options: ImageTextOptions) -> ConvertResult:
@@ -188,7 +215,9 @@ class _Coder:
         return {"tokenizer_sha256": sha256_file(o.tokenizer), "template_sha256": self.template.sha256,
                 "image_token": o.image_token, "image_token_id": self.image_id, "image_field": o.image_field,
                 "messages_field": o.messages_field, "train_on": "generation", "tokens_field": TOKENS_FIELD,
-                "mask_field": MASK_FIELD}
+                "mask_field": MASK_FIELD,
+                **({} if o.max_tokens is None else {"max_tokens": o.max_tokens, "image_seq_len": o.image_seq_len,
+                                                   "overlong": o.overlong})}
 
 
 def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder | None = None,
@@ -207,29 +236,58 @@ def scan_image_text(source: Path | str, options: ImageTextOptions, coder: _Coder
     _ask_sizes(lines, wheres, options.image_field, storage_options)
     # line N's key is N - 1 (a blank line's left unused), as messages name it (vlm.jsonl:N)
     entries = [Entry(key=f"{lineno - 1:08d}", fields=tuple(sorted(fields.items())), origin=where, sample=where)
-               for (lineno, _), fields, where in zip(rows, lines, wheres)]
+               for (lineno, _), fields, where in zip(rows, lines, wheres) if not isinstance(fields, Skip)]
     description = {"format": "image-text", "path": str(source.resolve()) if isinstance(source, Path) else source,
                    "options": {"image_field": options.image_field, "messages_field": options.messages_field,
                                "image_token": options.image_token}}
     if isinstance(root, Path) and root != source.parent:
         description["options"]["root"] = str(root.resolve())
-    return ScanResult(entries=entries, description=description, image_field=None)
+    return ScanResult(entries=entries, description=description, image_field=None,
+                      skipped=[line for line in lines if isinstance(line, Skip)])
 
 
 def _encoded(rows: list[tuple[int, dict]], wheres: list[str], root: Path | str, options: ImageTextOptions,
-             coder: _Coder) -> list[dict[str, Any]]:
+             coder: _Coder) -> list[dict[str, Any] | Skip]:
     """Each of ``rows``' fields: its images (:func:`_images`), ``tokens.i32`` and ``mask.bits``, the rows encoded
-    in one batch; ConvertError naming a refused line."""
+    in one batch, or the Skip of a line whose image file is missing (:class:`_Missing`); ConvertError naming a
+    refused line."""
     lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
     ends = np.cumsum(lengths)
     lines = []
     for i, ((_, row), where) in enumerate(zip(rows, wheres)):
         tokens = ids[ends[i] - lengths[i]:ends[i]]
-        fields = _images(row, where, root, options, int(np.count_nonzero(tokens == coder.image_id)))
+        placeholders = int(np.count_nonzero(tokens == coder.image_id))
+        try:
+            fields = _images(row, where, root, options, placeholders)
+        except _Missing as missing:
+            lines.append(missing.skip)
+            continue
+        over = _overlong(options, where, int(lengths[i]), placeholders)
+        if over is not None:
+            lines.append(over)
+            continue
         fields[TOKENS_FIELD] = encode_tokens(tokens)
         fields[MASK_FIELD] = encode_mask(mask[ends[i] - lengths[i]:ends[i]])
         lines.append(fields)
     return lines
+
+
+def _overlong(options: ImageTextOptions, where: str, tokens: int, images: int) -> Skip | None:
+    """The Skip of a line whose conversation of ``tokens`` tokens and ``images`` images is over ``max_tokens``
+    (its images expanded: :func:`~fastio.formats.image_text.expanded_length`) with ``overlong="drop"``; a
+    ConvertError naming it with ``"refuse"``; None where it fits (or there is no limit)."""
+    if options.max_tokens is None:
+        return None
+    length = expanded_length(tokens, images, options.image_seq_len)
+    if length <= options.max_tokens:
+        return None
+    counted = f" with its {count(images, 'image')} counted as image_seq_len {options.image_seq_len} each" if images \
+        else ""
+    if options.overlong == "refuse":
+        raise ConvertError(f"{where}: field {options.messages_field!r}: the conversation has {length} tokens{counted}, "
+                           f"more than max_tokens={options.max_tokens} (overlong='drop' handles such conversations)")
+    return Skip(where, f"longer than max_tokens={options.max_tokens}, each image counted as image_seq_len "
+                       f"{options.image_seq_len} tokens (overlong='drop')")  # one reason: the summary counts them once
 
 
 def _root(source: Path | str, root: Path | None) -> Path | str:
@@ -278,7 +336,7 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
     for n, value in enumerate(paths):
         at = f"{where}: {options.image_field}[{n}]"
         image = _image_url(value, root, at) if _is_url(value, at) or isinstance(root, str) else \
-            _image_file(value, root, at)
+            _image_file(value, root, at, where, f"{options.image_field}[{n}]")
         suffix = PurePosixPath(image if isinstance(image, str) else image.path).suffix
         ext = image_field_for_suffix(suffix)
         if ext is None:
@@ -321,9 +379,18 @@ def _is_url(value: str, at: str) -> bool:
         raise ConvertError(f"{at}: {err}") from None
 
 
-def _image_file(value: str, root: Path, at: str) -> FileRef:
+class _Missing(Exception):
+    """A line's image file or object is not there: the line is a rejected sample (``skip``, an error Skip: listed
+    and counted, or, with ``on_error="fail"``, the run stopped naming it, by :func:`fastio.convert.run.convert`)."""
+
+    def __init__(self, where: str, value: str, item: str):
+        super().__init__(where)
+        self.skip = Skip(f"{where} ({value})", f"{item}: no such image", error=True)
+
+
+def _image_file(value: str, root: Path, at: str, where: str, item: str) -> FileRef:
     """The image file ``value`` (a path, or a ``file://`` URL) names below ``root``; ConvertError for one outside
-    it, a folder or missing."""
+    it or a folder, :class:`_Missing` (``where``: the line, ``item``: ``images[n]``) for a missing one."""
     path = root / local_or_url(value)
     outside = resolve_inside(path, root)
     if outside is not None:
@@ -331,7 +398,7 @@ def _image_file(value: str, root: Path, at: str) -> FileRef:
     if path.is_dir():
         raise ConvertError(f"{at}: {value} is a folder, not an image")
     if not path.is_file():
-        raise ConvertError(f"{at}: no such image: {value}")
+        raise _Missing(where, value, item)
     return FileRef(str(path))
 
 
@@ -356,22 +423,30 @@ def _image_url(value: str, root: str, at: str) -> str:
     return value
 
 
-def _ask_sizes(lines: list[dict[str, Any]], wheres: list[str], field: str, storage_options: dict | None) -> None:
+def _ask_sizes(lines: list[dict[str, Any] | Skip], wheres: list[str], field: str, storage_options: dict | None
+               ) -> None:
     """Replace each image URL of ``lines`` by its :class:`UrlRef` (its object's size asked once, many at once:
-    :func:`fastio.convert.objects.object_sizes`); ConvertError naming the line and the URL of a missing object or
-    one the store does not answer for."""
-    at = [(i, name, value) for i, fields in enumerate(lines) for name, value in fields.items() if isinstance(value, str)]
+    :func:`fastio.convert.objects.object_sizes`), and a line with a missing object by its Skip (:class:`_Missing`,
+    its first missing one); ConvertError naming the line and the URL of an object the store does not answer for."""
+    at = [(i, name, value) for i, fields in enumerate(lines) if not isinstance(fields, Skip)
+          for name, value in fields.items() if isinstance(value, str)]
     with closing(object_sizes((url for _, _, url in at), storage_options)) as sizes:
         for i, name, url in at:
-            _sized(lines[i], name, url, f"{wheres[i]}: {field}[{image_number(name)}]", sizes)
+            item = f"{field}[{image_number(name)}]"
+            try:
+                _sized(lines[i], name, url, f"{wheres[i]}: {item}", sizes)
+            except _Missing:
+                lines[i] = lines[i] if isinstance(lines[i], Skip) else _Missing(wheres[i], url, item).skip
 
 
-def _sized(fields: dict[str, Any], name: str, url: str, where: str, sizes: Iterator[int | None]) -> None:
-    """``fields[name]``: the UrlRef of ``url``, its size the next of ``sizes``; ConvertError naming ``where``."""
+def _sized(fields: dict[str, Any] | Skip, name: str, url: str, where: str, sizes: Iterator[int | None]) -> None:
+    """``fields[name]``: the UrlRef of ``url``, its size the next of ``sizes`` (asked even of a line already
+    skipped, whose sizes come in turn); ConvertError naming ``where``, :class:`_Missing` for no object."""
     try:
         size = next(sizes)
     except StorageError as err:
         raise ConvertError(f"{where}: {err}") from None
     if size is None:
-        raise ConvertError(f"{where}: no such image: {url}")
-    fields[name] = UrlRef(url, size)
+        raise _Missing(where, url, "")
+    if not isinstance(fields, Skip):
+        fields[name] = UrlRef(url, size)

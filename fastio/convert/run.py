@@ -550,7 +550,8 @@ def _write_dataset(config: ConvertConfig, out: Path, split_name: str, loaded, pr
             nbytes += size
             progress.update(1, size)
         if writer.total_samples == 0 and not allow_empty:
-            example = f" (e.g. {skipped[0]['path']}: {skipped[0]['reason']})" if skipped else ""
+            listed = skipped + scan_skipped  # an image-text line whose image is missing: skipped by the scan
+            example = f" (e.g. {listed[0]['path']}: {listed[0]['reason']})" if listed else ""
             of_split = f" of split {split_name}" if split_name else ""
             raise ConvertError(f"{config.source}: every sample{of_split} was skipped{example}")
         if codecs:

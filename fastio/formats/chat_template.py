@@ -33,8 +33,8 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CHAT_TEMPLATE_FILE", "GENERATION_TAG", "SPECIAL_TOKENS_MAP_FILE", "SPECIAL_TOKEN_KEYS", "ChatTemplate",
-           "ChatTemplateError",
+__all__ = ["CHAT_TEMPLATE_FILE", "GENERATION_TAG", "REASONING_FIELDS", "SPECIAL_TOKENS_MAP_FILE", "SPECIAL_TOKEN_KEYS",
+           "ChatTemplate", "ChatTemplateError",
            "has_generation", "load_chat_template", "prepare_messages", "render"]
 
 GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
@@ -47,7 +47,9 @@ SPECIAL_TOKENS_MAP_FILE = "special_tokens_map.json"
 config's) where the config lists no ``added_tokens_decoder``."""
 SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The special tokens of a ``tokenizer_config.json`` a template sees by these names."""
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+"""The names a message's reasoning comes under (transformers', in its order: the first one set is given under
+``thinking`` and ``reasoning_content`` too)."""
 
 
 class ChatTemplateError(ValueError):
@@ -150,7 +152,7 @@ def prepare_messages(messages: list[dict]) -> list[dict]:
     out = []
     for message in messages:
         message = {k: v for k, v in message.items() if v is not None}
-        reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k) is not None), None)
         if reasoning is not None:
             message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
         out.append(message)

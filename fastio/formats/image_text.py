@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 import numpy as np
 
@@ -26,8 +27,8 @@ from fastio.formats.images import is_image_field
 from fastio.words import count
 
 __all__ = ["MASK_FIELD", "OPTIONS_KEY", "TOKENS_FIELD", "decode_sample", "encode_mask", "encode_tokens",
-           "image_field_name", "image_number", "is_image_text", "member_problems", "options_image_token_id",
-           "options_tokenizer_sha256"]
+           "expanded_length", "image_field_name", "image_number", "is_image_text", "member_problems",
+           "options_image_token_id", "options_tokenizer_sha256"]
 
 TOKENS_FIELD = "tokens.i32"
 """The member holding a sample's token ids (little-endian int32)."""
@@ -60,6 +61,13 @@ def options_tokenizer_sha256(convert_options: dict | None) -> str | None:
     if isinstance(pair, list) and len(pair) == 2 and isinstance(pair[1], str) and _SHA256.fullmatch(pair[1]):
         return pair[1]
     return None
+
+
+def expanded_length(tokens: Any, images: Any, image_seq_len: int) -> Any:
+    """A sample's length in a packed sequence: its ``tokens`` with each of its ``images`` (one image token each)
+    expanded to ``image_seq_len`` (ints or numpy arrays of them): what the Loader packs and the conversion's
+    ``max_tokens`` counts."""
+    return tokens + images * (image_seq_len - 1)
 
 
 def image_field_name(number: int, ext: str) -> str:

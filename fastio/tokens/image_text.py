@@ -30,7 +30,13 @@ import numpy as np
 
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError
-from fastio.formats.image_text import MASK_FIELD, TOKENS_FIELD, image_number, options_image_token_id
+from fastio.formats.image_text import (
+    MASK_FIELD,
+    TOKENS_FIELD,
+    expanded_length,
+    image_number,
+    options_image_token_id,
+)
 from fastio.formats.images import image_size
 from fastio.futures import gathered
 from fastio.order.sampler import SamplerSpec
@@ -84,7 +90,7 @@ class SampleCosts:
 
     def __init__(self, tokens: np.ndarray, images: np.ndarray, image_seq_len: int):
         self.images = np.asarray(images, np.int64)
-        self.lengths = np.asarray(tokens, np.int64) + self.images * (image_seq_len - 1)
+        self.lengths = expanded_length(np.asarray(tokens, np.int64), self.images, image_seq_len)
         self._ends = np.concatenate([[0], np.cumsum(self.lengths)]).astype(np.int64)
         self.documents = int(self.lengths.size)
 
@@ -130,7 +136,8 @@ def _refuse_unpackable(ds: Dataset, tables: list[SampleCosts], seq_len: int, ima
         i = int(long[0])
         raise DatasetError(f"{ds.where(i)}: {count(int(costs[i]), 'token')} with its {count(int(images[i]), 'image')} "
                            f"expanded to image_seq_len {image_seq_len}, more than seq_len + 1 = {seq_len + 1}: a sample is "
-                           f"never cut; raise seq_len to at least {int(costs.max()) - 1}")
+                           f"never cut; raise seq_len to at least {int(costs.max()) - 1}, or convert again with "
+                           f"--max-tokens {seq_len + 1} --image-seq-len {image_seq_len} --overlong drop")
     limit = (1 << IMAGE_KEY_BITS) if max_images is None else max_images
     many = np.flatnonzero(images > limit)
     if many.size:
