@@ -99,10 +99,8 @@ def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:
     quota = [w / total * MAX_PERIOD for w in weights]
     ints = [max(1, int(q)) for q in quota]
     order = sorted(range(len(quota)), key=lambda s: quota[s] - int(quota[s]), reverse=True)
-    k = 0
-    while sum(ints) < MAX_PERIOD:
+    for k in range(MAX_PERIOD - sum(ints)):  # the largest remainders first
         ints[order[k % len(order)]] += 1
-        k += 1
     while sum(ints) > MAX_PERIOD:  # only when shares at 1/MAX_PERIOD were rounded up to 1 position
         s = max(range(len(ints)), key=lambda s: ints[s])
         ints[s] -= 1
@@ -112,18 +110,35 @@ def integer_weights(weights: Sequence[float]) -> tuple[int, ...]:
 @lru_cache(maxsize=16)
 def _period(n: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
     """One period of the largest-deficit schedule for integer weights ``n``: the source of each position and
-    how many positions of that source come before it in the period."""
+    how many positions of that source come before it in the period.
+
+    Each source's deficit ``n_s * (q + 1) - W * C_s(q)`` is kept in one array: every position adds ``n_s`` to
+    all of them and takes ``W`` from the one it picks, whose ``argmax`` is the first largest (ties to the earlier
+    source). O(W) numpy steps of O(sources) each; a Python ``max`` over the sources per position took about a
+    second per 100 sources."""
     w = sum(n)
-    src = np.empty(w, np.int64)
-    rank = np.empty(w, np.int64)
-    count = [0] * len(n)
-    sources = range(len(n))
+    steps = np.asarray(n, np.int64)
+    deficit = steps.copy()  # at position 0: n_s * 1 - W * 0
+    argmax = deficit.argmax
+    picks = [0] * w
     for q in range(w):
-        s = max(sources, key=lambda s: (n[s] * (q + 1) - w * count[s], -s))
-        src[q], rank[q] = s, count[s]
-        count[s] += 1
+        s = argmax()
+        picks[q] = s
+        deficit[s] -= w
+        deficit += steps
+    src = np.array(picks, np.int64)
+    rank = _ranks(src, len(n))
     src.flags.writeable = rank.flags.writeable = False
     return src, rank
+
+
+def _ranks(src: np.ndarray, sources: int) -> np.ndarray:
+    """For each entry of ``src``, how many earlier entries hold the same source."""
+    order = np.argsort(src, kind="stable")
+    first = np.concatenate([[0], np.cumsum(np.bincount(src, minlength=sources))[:-1]])
+    rank = np.empty(src.size, np.int64)
+    rank[order] = np.arange(src.size, dtype=np.int64) - first[src[order]]
+    return rank
 
 
 def _u63(text: str) -> int:
