@@ -369,25 +369,35 @@ class MixOrder:
 
     def _at(self, pos: np.ndarray) -> np.ndarray:
         flat = pos.reshape(-1)
-        src, k = self.sampler.schedule.sources(self.epoch, flat)
-        out = np.empty(flat.size, np.int64)
-        for s in np.unique(src).tolist():
-            sel = np.flatnonzero(src == s)
-            size = self.sampler.sizes[s]
-            ks = k[sel]
-            epochs, offsets = ks // size, ks % size
-            uniq, which = np.unique(epochs, return_inverse=True)
-            if self.sampler.spec.shuffle == "global" and len(uniq) > 2:
-                # a small source cycling through many of its epochs in this lookup: one vectorised permutation
-                # with each element's round keys (what EpochOrder computes one epoch at a time)
-                local = self.sampler.cycling_order(s, uniq, which.reshape(-1), offsets)
-            else:
-                local = np.empty(offsets.size, np.int64)
-                for j, e in enumerate(uniq.tolist()):
-                    part = which == j
-                    local[part] = self.sampler.source_order(s, e)[offsets[part]]
-            out[sel] = self.sampler.unit_ids(s, epochs, local)
-        return out.reshape(pos.shape)
+        sampler = self.sampler
+        src, k = sampler.schedule.sources(self.epoch, flat)
+        size = sampler.size_array[src]
+        epochs, offsets = k // size, k % size
+        if sampler.spec.shuffle == "global":
+            local = sampler.global_orders(src, epochs, offsets)
+        else:
+            local = np.empty(flat.size, np.int64)
+            for s, e, part in _groups(src, epochs):
+                local[part] = sampler.source_order(s, e)[offsets[part]]
+        return sampler.unit_ids(src, epochs, local).reshape(pos.shape)
+
+
+def _groups(src: np.ndarray, epochs: np.ndarray) -> list[tuple[int, int, np.ndarray]]:
+    """``(source, epoch, indices)`` for each distinct pair of ``src[i], epochs[i]``: one sort, not a scan of the
+    positions per source (a thousand sources were a thousand scans per lookup)."""
+    if not src.size:
+        return []
+    order = np.lexsort((epochs, src))
+    s, e = src[order], epochs[order]
+    cuts = np.flatnonzero((s[1:] != s[:-1]) | (e[1:] != e[:-1])) + 1
+    parts = np.split(order, cuts)
+    return list(zip(s[np.r_[0, cuts]].tolist(), e[np.r_[0, cuts]].tolist(), parts))
+
+
+@lru_cache(maxsize=4096)
+def _samples_keys(seed: int, epoch: int, fingerprint: str) -> tuple[np.uint64, ...]:
+    """The round keys of a source's own ``global`` order in its epoch ``epoch`` (as :class:`EpochOrder` draws them)."""
+    return round_keys(seed, "global", epoch, fingerprint, "samples")
 
 
 @dataclass(frozen=True)
@@ -449,20 +459,39 @@ class MixSampler(Sampler):
     def order(self, epoch: int) -> MixOrder:
         return MixOrder(self, epoch)
 
-    def unit_ids(self, s: int, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
-        """The ids the order hands out for samples ``local`` of source ``s`` in its own epochs ``epochs``: the
-        mixture ids ``base[s] + local`` (a kind whose units change with the source's epoch adds it)."""
-        return self.base[s] + local
+    @cached_property
+    def size_array(self) -> np.ndarray:
+        """:attr:`sizes` as int64."""
+        return np.asarray(self.sizes, np.int64)
+
+    @cached_property
+    def base_array(self) -> np.ndarray:
+        """:attr:`base` as int64."""
+        return np.asarray(self.base, np.int64)
+
+    def unit_ids(self, src: np.ndarray, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
+        """The ids the order hands out for samples ``local`` of sources ``src`` in their own epochs ``epochs``
+        (arrays of one length): the mixture ids ``base[src] + local`` (a kind whose units change with the source's
+        epoch adds it)."""
+        return self.base_array[src] + local
 
     def _source_spec(self, s: int) -> SamplerSpec:
         return SamplerSpec(seed=source_seed(self.spec.seed, self.schedule.names[s]), shuffle=self.spec.shuffle,
                            block_shards=self.spec.block_shards)
 
-    def cycling_order(self, s: int, epochs: np.ndarray, which: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-        """``source_order(s, epochs[which[j]])[offsets[j]]`` for every j, in one evaluation (``global`` shuffle)."""
-        spec, fp, size = self._source_spec(s), self.schedule.fingerprints[s], self.sizes[s]
-        keys = np.array([round_keys(spec.seed, spec.shuffle, e, fp, "samples") for e in epochs.tolist()], np.uint64)
-        return permute(offsets, size, domain_bits(size), tuple(keys[which, r] for r in range(keys.shape[1])), 0)
+    def global_orders(self, src: np.ndarray, epochs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """``source_order(src[j], epochs[j])[offsets[j]]`` for every j, in one evaluation (``global`` shuffle):
+        every element's own size, domain and round keys (what :class:`EpochOrder` computes one epoch at a time)."""
+        if not src.size:
+            return np.empty(0, np.int64)
+        groups = _groups(src, epochs)
+        keys = np.array([_samples_keys(source_seed(self.spec.seed, self.schedule.names[s]), e,
+                                       self.schedule.fingerprints[s]) for s, e, _ in groups], np.uint64)
+        which = np.empty(src.size, np.int64)
+        for i, (_, _, part) in enumerate(groups):
+            which[part] = i
+        bits = np.array([domain_bits(n) for n in self.sizes], np.int64)[src]
+        return permute(offsets, self.size_array[src], bits, tuple(keys[which, r] for r in range(keys.shape[1])), 0)
 
     def source_order(self, s: int, epoch: int) -> EpochOrder:
         """Source ``s``'s own order in its epoch ``epoch`` (its seed derived from the loader's and its name)."""
