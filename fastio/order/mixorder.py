@@ -59,7 +59,8 @@ MAX_PERIOD = 1 << 16
 (each proportion then within 1/MAX_PERIOD of the asked one). A share below 1/MAX_PERIOD cannot be represented
 and is refused (:func:`check_shares`)."""
 _LAST_STREAM = 2**63 - 1  # the last stream position a schedule's int64 arithmetic counts
-_ORDERS = 64  # per-source epoch orders kept (a tiny source goes through many of its epochs per chunk)
+_ORDERS = 64  # per-source epoch orders kept beyond two per source (a tiny source goes through many of its
+# epochs per chunk; with more sources than this a lookup rebuilt every source's order: 0.4 s at 1,000)
 
 
 def check_shares(names: Sequence[str], weights: Sequence[float], note: str = "") -> None:
@@ -503,7 +504,7 @@ class MixSampler(Sampler):
         order = EpochOrder(self.source_shards[s], self._source_spec(s), epoch, self.schedule.fingerprints[s])
         with self._orders_lock:
             self._orders[key] = order
-            while len(self._orders) > _ORDERS:
+            while len(self._orders) > _ORDERS + 2 * len(self.sizes):  # O(shards): as source_shards
                 self._orders.popitem(last=False)
         return order
 
