@@ -476,9 +476,16 @@ class MixSampler(Sampler):
         epoch adds it)."""
         return self.base_array[src] + local
 
+    @cached_property
+    def _source_seeds(self) -> tuple[int, ...]:
+        return tuple(source_seed(self.spec.seed, name) for name in self.schedule.names)
+
+    @cached_property
+    def _domain_bits(self) -> np.ndarray:
+        return np.array([domain_bits(n) for n in self.sizes], np.int64)
+
     def _source_spec(self, s: int) -> SamplerSpec:
-        return SamplerSpec(seed=source_seed(self.spec.seed, self.schedule.names[s]), shuffle=self.spec.shuffle,
-                           block_shards=self.spec.block_shards)
+        return SamplerSpec(seed=self._source_seeds[s], shuffle=self.spec.shuffle, block_shards=self.spec.block_shards)
 
     def global_orders(self, src: np.ndarray, epochs: np.ndarray, offsets: np.ndarray) -> np.ndarray:
         """``source_order(src[j], epochs[j])[offsets[j]]`` for every j, in one evaluation (``global`` shuffle):
@@ -486,13 +493,13 @@ class MixSampler(Sampler):
         if not src.size:
             return np.empty(0, np.int64)
         groups = _groups(src, epochs)
-        keys = np.array([_samples_keys(source_seed(self.spec.seed, self.schedule.names[s]), e,
-                                       self.schedule.fingerprints[s]) for s, e, _ in groups], np.uint64)
+        keys = np.array([_samples_keys(self._source_seeds[s], e, self.schedule.fingerprints[s]) for s, e, _ in groups],
+                        np.uint64)
         which = np.empty(src.size, np.int64)
         for i, (_, _, part) in enumerate(groups):
             which[part] = i
-        bits = np.array([domain_bits(n) for n in self.sizes], np.int64)[src]
-        return permute(offsets, self.size_array[src], bits, tuple(keys[which, r] for r in range(keys.shape[1])), 0)
+        return permute(offsets, self.size_array[src], self._domain_bits[src],
+                       tuple(keys[which, r] for r in range(keys.shape[1])), 0)
 
     def source_order(self, s: int, epoch: int) -> EpochOrder:
         """Source ``s``'s own order in its epoch ``epoch`` (its seed derived from the loader's and its name)."""
