@@ -121,7 +121,7 @@ class Mixture:
             check_shares(self.names, raw, " (no weights= given: each source's size is its weight; give weights=)")
             given = ((0, tuple(raw)),)
         self.phases: tuple[tuple[int, tuple[float, ...]], ...] = tuple(
-            (pos, tuple(w / sum(raw) for w in raw)) for pos, raw in given)
+            (pos, _shares(raw)) for pos, raw in given)
         """The schedule: ``(position, shares)`` per phase, the first at 0 (one entry for plain weights); shares are
         the weights normalised to sum to 1, positions count samples of the mixture stream since training began."""
         self.weights: tuple[float, ...] = self.phases[0][1]
@@ -493,7 +493,8 @@ def _parse_weights(names: tuple[str, ...], weights: Any) -> tuple[tuple[int, tup
 
 def _entry_weights(names: tuple[str, ...], weights: Mapping, what: str, note: str = "") -> tuple[float, ...]:
     """One mapping of weights as a tuple in source order, checked (``what`` names it in messages)."""
-    unknown = [k for k in weights if k not in names]
+    known = set(names)  # sets: a thousand sources were a million comparisons
+    unknown = [k for k in weights if k not in known]
     missing = [k for k in names if k not in weights]
     if unknown or missing:
         raise ValueError(f"{what} must name every source once: unknown {unknown}, missing {missing}")
@@ -503,9 +504,16 @@ def _entry_weights(names: tuple[str, ...], weights: Mapping, what: str, note: st
             raise ValueError(f"{what}[{k!r}] must be a positive number, got {w!r}{too_large}")
     raw = tuple(float(weights[k]) for k in names)
     if not math.isfinite(sum(raw)):  # each weight finite, their sum not: the same proportions, scaled down
-        raw = tuple(w / max(raw) for w in raw)
+        top = max(raw)
+        raw = tuple(w / top for w in raw)
     check_shares(names, raw, note)
     return raw
+
+
+def _shares(raw: Sequence[float]) -> tuple[float, ...]:
+    """Weights ``raw`` normalised to sum to 1 (their sum taken once: it was taken again for each source)."""
+    total = sum(raw)
+    return tuple(w / total for w in raw)
 
 
 def _positive_float(w: numbers.Real) -> bool:

@@ -248,8 +248,8 @@ class TokenMixSampler(MixSampler):
                 raise ValueError(f"epoch {epoch} is past the sequence ids' reach: source {name!r} is in its own epoch "
                                  f"{last} by its end, and source epoch * {self.total} + sequence must fit int64")
 
-    def unit_ids(self, s: int, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
-        return np.asarray(epochs, np.int64) * self.total + self.base[s] + local
+    def unit_ids(self, src: np.ndarray, epochs: np.ndarray, local: np.ndarray) -> np.ndarray:
+        return np.asarray(epochs, np.int64) * self.total + self.base_array[src] + local
 
 
 def mixture_units(read_set: Any, seq_len: int, packing: str, window: int, spec: SamplerSpec, world_size: int,
