@@ -195,7 +195,8 @@ class LoaderConfig:
     remainder: str = "pad"
     """Without drop_last: ``pad`` fills the last global batch by wrapping to the start of the epoch order;
     ``partial`` splits what is left evenly over the ranks (smaller batches; a rank left with nothing gets
-    one repeat). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
+    one repeat), and takes a ``batch_size`` larger than the dataset (one batch of its samples; ``pad`` and
+    drop_last refuse it). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
     num_threads: int | None = None
     """DALI worker threads (default: the CPUs this process may run on)."""
     pin_threads: bool | None = None
@@ -365,9 +366,11 @@ class Loader:
         self._came_out = False  # whether a batch of the pipeline has come out
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         units = count(n, source.unit)
-        if cfg.batch_size > n:
+        if cfg.batch_size > n and not (cfg.sampling.partial_batches and n):  # partial: one batch of those there are
+            way = "" if not n else " and drop_last leaves no batch" if cfg.drop_last else \
+                ": give a smaller batch_size, or remainder='partial' for one batch of them"
             raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the {rs.epoch_noun} "
-                               f"({units})")
+                               f"({units}){way}")
         if cfg.drop_last and cfg.batch_size * plan_world > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
                                f"{rs.epoch_noun} ({units}) and drop_last leaves no batch")

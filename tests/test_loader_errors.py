@@ -67,8 +67,15 @@ def test_missing_field(image_dataset):
 
 
 def test_batch_larger_than_dataset(image_dataset):
-    with pytest.raises(DatasetError, match=r"ds: batch_size 64 is larger than the dataset \(48 samples\)"):
+    """The default remainder='pad' (and drop_last) still refuse a batch larger than the dataset, in one line naming
+    the dataset, its samples and batch_size, and the way out (remainder='partial' gives one batch of them)."""
+    with pytest.raises(DatasetError, match=r"ds: batch_size 64 is larger than the dataset \(48 samples\): give a "
+                                           r"smaller batch_size, or remainder='partial' for one batch of them$"):
         _loader(image_dataset, batch_size=64)
+    for remainder in ("pad", "partial"):
+        with pytest.raises(DatasetError, match=r"ds: batch_size 64 is larger than the dataset \(48 samples\) and "
+                                               r"drop_last leaves no batch$"):
+            _loader(image_dataset, batch_size=64, drop_last=True, remainder=remainder)
 
 
 def _bad_image_dataset(tmp_path, image_folder, bad: dict[int, bytes]):

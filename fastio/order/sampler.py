@@ -36,7 +36,7 @@ SHUFFLE_MODES = ("global", "block", "none")
 # the same number of batches, so DDP never waits on a missing one:
 # "pad": it is filled by wrapping to the start of the epoch order; repeats are flagged in batch["padded"].
 # "partial": its samples are split as evenly as possible over the ranks (sizes differ by at most one);
-#   a rank left with none gets one padded sample.
+#   a rank left with none gets one padded sample. An epoch smaller than one batch is that one batch.
 REMAINDER_MODES = ("pad", "partial")
 
 
@@ -56,6 +56,13 @@ class SamplerSpec:
     """Drop the last incomplete global batch of each epoch."""
     remainder: str = "pad"
     """Without drop_last: ``pad`` or ``partial`` (see ``REMAINDER_MODES``)."""
+
+    @property
+    def partial_batches(self) -> bool:
+        """Whether an epoch's last global batch is delivered as the samples there are (``remainder="partial"``
+        without drop_last): then an epoch smaller than one batch is one batch of them, as a torch DataLoader's
+        ``drop_last=False`` gives."""
+        return self.remainder == "partial" and not self.drop_last
 
     def __post_init__(self):
         # integers only: a loader state stores them, and a resume reads them back as integers
