@@ -374,6 +374,9 @@ class Loader:
         if cfg.drop_last and cfg.batch_size * plan_world > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
                                f"{rs.epoch_noun} ({units}) and drop_last leaves no batch")
+        self._most_per_batch = min(cfg.batch_size, n)
+        """Units a batch holds at most, DALI's batch size: ``batch_size``, or the epoch's units where the partial
+        remainder takes a larger ``batch_size`` (DALI sizes its buffers by it, and refuses one past 2**31)."""
 
     def _place_device(self) -> None:
         """The device the Loader decodes on (and torch's device of its batches)."""
@@ -589,7 +592,7 @@ class Loader:
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
         if graph is not None:
-            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size * graph.per_unit,
+            self._built = build_graph(graph, feeder, batch_size=self._most_per_batch * graph.per_unit,
                                       num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)

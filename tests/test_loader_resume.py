@@ -291,3 +291,12 @@ def test_partial_remainder_resumes_mid_epoch_into_a_batch_larger_than_what_is_le
                         pipeline=Raw())
     fresh, _ = _run_ranks(tiny_datasets[7], new, epoch=1, batch_size=16, remainder="partial", pipeline=Raw())
     assert all(same_batch(a, b) for x, y in zip(nxt, fresh) for a, b in zip(x, y)) and len(nxt) == len(fresh) == 1
+
+
+def test_a_partial_batch_size_far_larger_than_the_dataset_costs_the_dataset_not_the_batch_size(tiny_datasets):
+    """batch_size 2**31 over 7 samples with remainder='partial': one batch of the 7. DALI's pipeline was built with
+    the Loader's batch_size as its batch (buffers sized by it: 6.4 GB at 10**8; at 2**31 a raw TypeError from
+    DALI's constructor); it is now built for the most a batch holds, the 7."""
+    with _factory(tiny_datasets[7], batch_size=2**31, remainder="partial", pipeline=ImageEval(size=32))() as loader:
+        (batch,) = list(loader)
+    assert sorted(batch["index"].tolist()) == list(range(7)) and batch["image"].shape[0] == 7

@@ -298,13 +298,11 @@ class EpochPlan:
         last = len(self) if count is None else first + count
         if count is not None and count < 0 or not 0 <= first <= last <= len(self):
             raise IndexError(f"batches {first}..{last - 1} out of range 0..{len(self) - 1}")
-        n, gb, b = len(self.order), self.sampler.global_batch, self.sampler.spec.batch_size
+        n, gb = len(self.order), self.sampler.global_batch
         tail = last
         if self.sampler.spec.remainder == "partial" and last > first and self.start + last * gb > n:
             tail = last - 1  # the partial last batch is cut differently
-        g = np.arange(first, tail, dtype=np.int64)
-        pos = (self.start + g * gb + self.sampler.rank * b)[:, None] + np.arange(b, dtype=np.int64)
-        parts = [pos.reshape(-1)] + ([self._positions(tail)] if tail < last else [])
+        parts = [self._full_positions(first, tail)] + ([self._positions(tail)] if tail < last else [])
         pos = np.concatenate(parts)
         return self.order[pos % n], pos >= n
 
@@ -328,6 +326,17 @@ class EpochPlan:
             for j in range(count):  # only the epoch's last batch can be shorter than batch_size
                 end = (j + 1) * b if j < count - 1 else len(indices)
                 yield indices[j * b:end], padded[j * b:end]
+
+    def _full_positions(self, first: int, tail: int) -> np.ndarray:
+        """Global positions of this rank's part of the full batches ``first .. tail - 1``, concatenated (none made
+        for none: a ``partial`` epoch smaller than one batch has no full batch, and its batch_size may be far
+        larger than the epoch)."""
+        if tail <= first:
+            return np.empty(0, np.int64)
+        b = self.sampler.spec.batch_size
+        g = np.arange(first, tail, dtype=np.int64)
+        return ((self.start + g * self.sampler.global_batch + self.sampler.rank * b)[:, None]
+                + np.arange(b, dtype=np.int64)).reshape(-1)
 
     def _positions(self, g: int) -> np.ndarray:
         """Global positions (``>= len(order)`` where padding wraps) of this rank's part of batch ``g``."""
