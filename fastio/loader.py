@@ -773,7 +773,7 @@ class Loader:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = dali_reason(err)
         if dali_out_of_memory(err):
-            return PipelineMemoryError(f"{rs.root}: DALI ran out of memory making a batch of {self.config.batch_size} "
+            return PipelineMemoryError(f"{rs.root}: DALI ran out of memory making a batch of {self._most_per_batch} "
                                        f"({first}): the pipeline's outputs do not fit, not the data; lower batch_size "
                                        "or the output size")
         if in_flight and where is not None:
