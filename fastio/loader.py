@@ -195,7 +195,8 @@ class LoaderConfig:
     remainder: str = "pad"
     """Without drop_last: ``pad`` fills the last global batch by wrapping to the start of the epoch order;
     ``partial`` splits what is left evenly over the ranks (smaller batches; a rank left with nothing gets
-    one repeat). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
+    one repeat), and takes a ``batch_size`` larger than the dataset (one batch of its samples; ``pad`` and
+    drop_last refuse it). Repeats are flagged True in ``batch["padded"]``; every rank gets the same number of batches."""
     num_threads: int | None = None
     """DALI worker threads (default: the CPUs this process may run on)."""
     pin_threads: bool | None = None
@@ -365,12 +366,17 @@ class Loader:
         self._came_out = False  # whether a batch of the pipeline has come out
         n = self._sampler.samples  # units of an epoch: stored samples, or a kind's own (packed sequences)
         units = count(n, source.unit)
-        if cfg.batch_size > n:
+        if cfg.batch_size > n and not (cfg.sampling.partial_batches and n):  # partial: one batch of those there are
+            way = "" if not n else " and drop_last leaves no batch" if cfg.drop_last else \
+                ": give a smaller batch_size, or remainder='partial' for one batch of them"
             raise DatasetError(f"{rs.root}: batch_size {cfg.batch_size} is larger than the {rs.epoch_noun} "
-                               f"({units})")
+                               f"({units}){way}")
         if cfg.drop_last and cfg.batch_size * plan_world > n:
             raise DatasetError(f"{rs.root}: global batch {cfg.batch_size * plan_world} is larger than the "
                                f"{rs.epoch_noun} ({units}) and drop_last leaves no batch")
+        self._most_per_batch = min(cfg.batch_size, n)
+        """Units a batch holds at most, DALI's batch size: ``batch_size``, or the epoch's units where the partial
+        remainder takes a larger ``batch_size`` (DALI sizes its buffers by it, and refuses one past 2**31)."""
 
     def _place_device(self) -> None:
         """The device the Loader decodes on (and torch's device of its batches)."""
@@ -586,7 +592,7 @@ class Loader:
                                        first=cfg.prefetch)
         feeder.start()  # the first reads overlap the pipeline build
         if graph is not None:
-            self._built = build_graph(graph, feeder, batch_size=cfg.batch_size * graph.per_unit,
+            self._built = build_graph(graph, feeder, batch_size=self._most_per_batch * graph.per_unit,
                                       num_threads=cfg.num_threads,
                                       device=self.device, device_id=self.torch_device.index,
                                       prefetch=cfg.prefetch, seed=cfg.seed)
@@ -767,7 +773,7 @@ class Loader:
                     return DatasetError(f"{rs.where(i)}: field {name!r} failed to decode ({problem})")
         first = dali_reason(err)
         if dali_out_of_memory(err):
-            return PipelineMemoryError(f"{rs.root}: DALI ran out of memory making a batch of {self.config.batch_size} "
+            return PipelineMemoryError(f"{rs.root}: DALI ran out of memory making a batch of {self._most_per_batch} "
                                        f"({first}): the pipeline's outputs do not fit, not the data; lower batch_size "
                                        "or the output size")
         if in_flight and where is not None:

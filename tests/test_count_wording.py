@@ -315,7 +315,8 @@ def test_a_shard_cut_to_one_byte_says_one_byte(one_sample, capsys):
 
 
 def test_a_batch_larger_than_a_one_sample_dataset_says_one_sample(one_sample):
-    with pytest.raises(fastio.DatasetError, match=r": batch_size 2 is larger than the dataset \(1 sample\)$"):
+    with pytest.raises(fastio.DatasetError, match=r": batch_size 2 is larger than the dataset \(1 sample\): give a "
+                                                  r"smaller batch_size, or remainder='partial' for one batch of them$"):
         _loader(one_sample, fastio.Raw())
 
 

@@ -119,18 +119,25 @@ def test_quickstart_preempted_resumes_and_a_finished_run_trains_nothing(workdir,
 
 def test_quickstart_on_a_split_smaller_than_a_batch_says_so_in_the_line_the_readme_quotes(tmp_path, warm):
     """Found by the newcomer review (round 4): a folder of 80 images, converted as the README says, gave a ds/val of
-    8 samples, and the quickstart stopped with one line the README did not prepare for; it now says how large a
-    folder the quickstart needs and quotes that line."""
+    8 samples, and the quickstart stopped with one line the README did not prepare for. Its validation Loader reads
+    with remainder='partial', which now takes a split smaller than a batch (one batch of its 8 samples); a training
+    split smaller than a batch still stops with the one line the README quotes."""
     from fastio.convert.synthetic import make_imagefolder
 
     make_imagefolder(tmp_path / "images", classes=4, per_class=20, seed=0)
     subprocess.run([sys.executable, "-m", "fastio.cli", "convert", "images", "ds", "--split", "train=0.9,val=0.1",
                     "--quiet"], cwd=tmp_path, check=True)
-    rc, out, err = warm.run(QUICKSTART, tmp_path)
-    line = "quickstart.py: error: ds/val: batch_size 16 is larger than the dataset (8 samples)"
+    rc, out, err = warm.run(QUICKSTART, tmp_path, "ds", "ckpt", "1")
+    assert rc == 0 and "epoch 1 of 1 done: val accuracy" in out, out + err
+    make_imagefolder(tmp_path / "few", classes=2, per_class=5, seed=0)
+    subprocess.run([sys.executable, "-m", "fastio.cli", "convert", "few", "small", "--split", "train=0.9,val=0.1",
+                    "--quiet"], cwd=tmp_path, check=True)
+    rc, out, err = warm.run(QUICKSTART, tmp_path, "small", "ckpt-small")
+    line = ("quickstart.py: error: small/train: batch_size 16 is larger than the dataset (9 samples): give a smaller "
+            "batch_size, or remainder='partial' for one batch of them")
     assert rc == 2 and err.strip() == line, out + err
     readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
-    assert f"`{line}` (exit 2)" in readme
+    assert f"`{line.replace('small/', 'ds/')}` (exit 2)" in readme
 
 
 def test_s3_example_against_a_local_s3_server(aws_env, s3_bucket, warm):

@@ -28,6 +28,18 @@ def test_a_batch_larger_than_an_epochs_sequences_is_refused_counting_sequences(v
     assert "samples" not in str(err.value)
 
 
+def test_partial_remainder_gives_the_epochs_one_sequence_as_one_batch(vlm):
+    """remainder='partial' takes a batch larger than the epoch's packed sequences: one batch of the one there is
+    (on two ranks, the rank left with none gets it again, flagged padded)."""
+    with _loader(vlm, batch_size=2, remainder="partial") as loader:
+        (batch,) = list(loader)
+    assert batch["index"].tolist() == [0] and not batch["padded"].any() and batch["tokens"].shape[0] == 1
+    for rank in (0, 1):
+        with _loader(vlm, batch_size=2, remainder="partial", world_size=2, rank=rank) as loader:
+            (got,) = list(loader)
+        assert got["index"].tolist() == [0] and got["padded"].tolist() == [rank == 1]
+
+
 def test_drop_last_on_ranks_counts_sequences(vlm):
     with pytest.raises(DatasetError, match=r"global batch 2 is larger than the dataset \(1 packed sequence\) and "
                                            "drop_last leaves no batch"):

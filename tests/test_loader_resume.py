@@ -237,7 +237,8 @@ def test_a_loader_resumed_at_any_world_and_batch_size_delivers_the_epoch_once(ti
     common = dict(pipeline=Raw(), seed=[0, 2**63 - 1][case % 2], shuffle=["global", "block", "none"][case % 3],
                   remainder=["pad", "partial"][case // 4 % 2], block_shards=2)
     (w1, w2) = rng.integers(1, 5, 2).tolist()
-    (b1, b2) = rng.integers(1, min(n, 4) + 1, 2).tolist()  # a batch larger than the dataset is refused
+    top = min(n, 4) + (4 if common["remainder"] == "partial" else 0)  # pad refuses a batch larger than the dataset
+    (b1, b2) = rng.integers(1, top + 1, 2).tolist()
     epoch = [0, 5, 2**63 - 1][case % 3]
     total = -(-n // (w1 * b1))
     k = int(rng.choice([0, total // 2, total - 1]))
@@ -247,3 +248,55 @@ def test_a_loader_resumed_at_any_world_and_batch_size_delivers_the_epoch_once(ti
     got = Counter(_delivered(before) + _delivered(after))
     assert got == Counter(range(n)), (n, w1, b1, k, w2, b2, common)
     assert all(len(b["index"]) == b2 for step in after for b in step) or common["remainder"] == "partial"
+
+
+@pytest.mark.parametrize("pipeline", [Raw(), ImageEval(size=32), ImageTrain(size=32)])
+def test_partial_remainder_gives_a_dataset_smaller_than_a_batch_as_one_batch(tiny_datasets, pipeline):
+    """As a torch DataLoader with drop_last=False does: 7 samples at batch_size 16 are one batch of the 7 (the
+    Loader refused it, "batch_size 16 is larger than the dataset (7 samples)", even with remainder='partial'), the
+    same batch, bitwise, as batch_size 7 gives, and each epoch another order of them."""
+    make = _factory(tiny_datasets[7], batch_size=16, remainder="partial", pipeline=pipeline)
+    whole = _factory(tiny_datasets[7], batch_size=7, remainder="partial", pipeline=pipeline)
+    with make() as loader, whole() as ref:
+        assert len(loader) == 1
+        got, want = list(islice(batches(loader), 2)), list(islice(batches(ref), 2))
+    assert [sorted(b["index"].tolist()) for b in got] == [list(range(7))] * 2
+    assert not any(b["padded"].any() for b in got)
+    assert all(same_batch(a, b) for a, b in zip(got, want))
+    assert got[0]["index"].tolist() != got[1]["index"].tolist()  # epoch 1 is another order
+    check_resume(make, n=1, k=2)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5])
+def test_partial_remainder_splits_a_dataset_smaller_than_a_batch_over_the_ranks(tiny_datasets, world):
+    """3 samples at batch_size 16 over 2, 3 and 5 ranks: the rank shares differ by at most one sample, every sample
+    comes once, and a rank left with none (more ranks than samples) gets one repeat flagged padded."""
+    steps, _ = _run_ranks(tiny_datasets[3], world, batch_size=16, remainder="partial", pipeline=Raw())
+    assert len(steps) == 1
+    sizes = [int((~b["padded"]).sum()) for b in steps[0]]
+    assert sizes == [3 // world + (r < 3 % world) for r in range(world)]
+    assert all(len(b["index"]) == 1 and b["padded"].all() for b in steps[0][3:])
+    assert sorted(_delivered(steps)) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("new", [1, 2, 3])
+def test_partial_remainder_resumes_mid_epoch_into_a_batch_larger_than_what_is_left(tiny_datasets, new):
+    """Saved after one step of 2 samples of a 7-sample epoch, resumed at batch_size 16 on 1..3 ranks: the 5 samples
+    left come once, in one step, then the next epoch is the one a fresh Loader gives."""
+    before, states = _run_ranks(tiny_datasets[7], 1, n_batches=1, batch_size=2, remainder="partial", pipeline=Raw())
+    assert states[0]["consumed"] == 2
+    after, _ = _run_ranks(tiny_datasets[7], new, state=states[0], batch_size=16, remainder="partial", pipeline=Raw())
+    assert len(after) == 1 and Counter(_delivered(before) + _delivered(after)) == Counter(range(7))
+    nxt, _ = _run_ranks(tiny_datasets[7], new, state=states[0], epoch=1, batch_size=16, remainder="partial",
+                        pipeline=Raw())
+    fresh, _ = _run_ranks(tiny_datasets[7], new, epoch=1, batch_size=16, remainder="partial", pipeline=Raw())
+    assert all(same_batch(a, b) for x, y in zip(nxt, fresh) for a, b in zip(x, y)) and len(nxt) == len(fresh) == 1
+
+
+def test_a_partial_batch_size_far_larger_than_the_dataset_costs_the_dataset_not_the_batch_size(tiny_datasets):
+    """batch_size 2**31 over 7 samples with remainder='partial': one batch of the 7. DALI's pipeline was built with
+    the Loader's batch_size as its batch (buffers sized by it: 6.4 GB at 10**8; at 2**31 a raw TypeError from
+    DALI's constructor); it is now built for the most a batch holds, the 7."""
+    with _factory(tiny_datasets[7], batch_size=2**31, remainder="partial", pipeline=ImageEval(size=32))() as loader:
+        (batch,) = list(loader)
+    assert sorted(batch["index"].tolist()) == list(range(7)) and batch["image"].shape[0] == 7

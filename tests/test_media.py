@@ -229,6 +229,18 @@ def test_video_clips_resume_exactly(video_ds, shuffle):
     check_resume(lambda: video_loader(video_ds, batch_size=2, shuffle=shuffle), n=2, k=4)
 
 
+def test_video_clips_partial_remainder_gives_a_dataset_smaller_than_a_batch_as_one_batch(video_ds):
+    """remainder='partial' takes a batch larger than the dataset (7 videos at batch_size 16): one batch of each video
+    once, each with the clip the same video has at batch_size 7."""
+    import torch
+
+    with video_loader(video_ds, batch_size=16, remainder="partial") as loader, \
+            video_loader(video_ds, batch_size=7, remainder="partial") as whole:
+        (got,), (want,) = list(loader), list(whole)
+    assert sorted(got["index"].tolist()) == list(range(7)) and not got["padded"].any()
+    assert got["index"].tolist() == want["index"].tolist() and torch.equal(got["video"], want["video"])
+
+
 def test_video_clips_elastic_resume_keeps_each_sample_once_and_its_clip(video_ds):
     from resume import run_ranks
 

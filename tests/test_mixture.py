@@ -187,8 +187,20 @@ def _raw_loader(sources, weights, **kw):
 
 
 def test_a_batch_larger_than_the_mixtures_epoch_names_the_mixture_not_a_dataset(raw_sources):
-    with pytest.raises(DatasetError, match=r"batch_size 60 is larger than the mixture's epoch \(50 samples\)$"):
+    with pytest.raises(DatasetError, match=r"batch_size 60 is larger than the mixture's epoch \(50 samples\): give a "
+                                           r"smaller batch_size, or remainder='partial' for one batch of them$"):
         _raw_loader(raw_sources, {"a": 1, "b": 1, "c": 1}, batch_size=60)
+
+
+def test_partial_remainder_gives_a_mixture_epoch_smaller_than_a_batch_as_one_batch(raw_sources):
+    """remainder='partial' takes a batch larger than the mixture's epoch: one batch of its 50 draws, the batch that
+    batch_size 50 gives."""
+    weights = {"a": 1, "b": 1, "c": 1}
+    with _raw_loader(raw_sources, weights, batch_size=60, remainder="partial") as loader, \
+            _raw_loader(raw_sources, weights, batch_size=50) as whole:
+        assert len(loader) == 1
+        got, want = next(iter(loader)), next(iter(whole))
+    assert len(got["index"]) == 50 and same_batch(got, want)
 
 
 def test_loader_batches_carry_source_and_index_in_the_mixture_order(raw_sources):

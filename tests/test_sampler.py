@@ -107,6 +107,21 @@ def test_partial_remainder_splits_the_last_batch_evenly():
     assert sizes == [(1, 0), (1, 0), (1, 1)]
 
 
+@pytest.mark.parametrize("world", [1, 3])
+def test_a_partial_epoch_far_smaller_than_its_batch_costs_its_samples_not_its_batch_size(world):
+    """batch_size 2**40 over 58 samples with remainder='partial' is one batch of the 58: ``batches`` (what the
+    Loader's feeder and read-ahead look up) made the positions of one full batch, np.arange(batch_size), before it
+    knew there was none (a MemoryError of 8 TiB here; 23 GB for a Loader at batch_size 3 * 10**9)."""
+    order = epoch_order(SIZES, 0, 0, "fp")
+    plans = _plans(2**40, world, remainder="partial")
+    assert {len(p) for p in plans} == {1}
+    got = [p.batches() for p in plans]
+    assert [i for ids, _ in got for i in ids.tolist()] == order.tolist() and not any(m.any() for _, m in got)
+    assert all(np.array_equal(p.batches()[0], p.batch(0)[0]) for p in plans)
+    assert [len(ids) for p in plans for ids, _ in p.iter_batches()] == [58 // world + (r < 58 % world)
+                                                                       for r in range(world)]
+
+
 @pytest.mark.parametrize("remainder,drop_last", [("pad", False), ("partial", False), ("pad", True)])
 @pytest.mark.parametrize("world,start", [(1, 0), (3, 0), (3, 7), (5, 40)])
 @pytest.mark.parametrize("chunk", [1, 2, 5, 64])

@@ -99,6 +99,11 @@ def test_drop_last_and_partial_remainder(corpus):
     assert len(steps) == n // 12 and len(_ids(steps)) == len(steps) * 12
     steps, _ = run_ranks([_loader(corpus, world_size=3, rank=r, remainder="partial") for r in range(3)])
     assert sorted(_ids(steps)) == list(range(n))
+    # a batch larger than the epoch's sequences: one step of all of them, split over the ranks
+    steps, _ = run_ranks([_loader(corpus, world_size=3, rank=r, remainder="partial", batch_size=n + 5)
+                          for r in range(3)])
+    assert len(steps) == 1 and sorted(_ids(steps)) == list(range(n))
+    assert [len(b["index"]) for b in steps[0]] == [n // 3 + (r < n % 3) for r in range(3)]
 
 
 def test_refusals_name_the_dataset_and_the_pipeline(corpus, image_dataset):

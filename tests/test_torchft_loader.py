@@ -499,6 +499,22 @@ def test_a_participating_group_with_an_empty_share_gets_a_flagged_repeat(house, 
         m.shutdown(wait=False)
 
 
+def test_a_global_batch_larger_than_the_dataset_with_partial_remainder_is_one_step_an_epoch(house, image_dataset):
+    """remainder='partial' takes a global batch larger than the dataset with replicas= as without: each step is one
+    epoch's 48 samples, split over the two groups, the samples a one-process Loader gives at that batch."""
+    options = {"pipeline": fastio.Raw(), "batch_size": 64, "drop_last": False, "remainder": "partial"}
+    want = [b["index"].tolist() for b in _one_process(image_dataset, options, 3)]
+    assert [len(w) for w in want] == [48] * 3 and want[0] != want[1]
+    stores = group_store(), group_store()
+    pairs = [(m, _loader(image_dataset, options, m)) for m in (manager(stores[g].port, house, g) for g in range(2))]
+    for b0, b1 in steps(pairs, 3):
+        assert b0["step"] == b1["step"] and not (b0["padded"].any() or b1["padded"].any())
+        assert b0["index"].tolist() + b1["index"].tolist() == want[b0["step"]]
+    for m, loader in pairs:
+        loader.close()
+        m.shutdown(wait=False)
+
+
 def test_failures_in_a_row_and_at_an_epoch_boundary_retake_the_step_bit_for_bit(house, image_dataset):
     """Step 2 fails three times in a row, the last step of epoch 0 (7) and the first of epoch 1 (8) once each: every
     try of a step takes its one-process batch, images included (ImageTrain's crops are drawn per sample, so the

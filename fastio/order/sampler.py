@@ -36,7 +36,7 @@ SHUFFLE_MODES = ("global", "block", "none")
 # the same number of batches, so DDP never waits on a missing one:
 # "pad": it is filled by wrapping to the start of the epoch order; repeats are flagged in batch["padded"].
 # "partial": its samples are split as evenly as possible over the ranks (sizes differ by at most one);
-#   a rank left with none gets one padded sample.
+#   a rank left with none gets one padded sample. An epoch smaller than one batch is that one batch.
 REMAINDER_MODES = ("pad", "partial")
 
 
@@ -56,6 +56,13 @@ class SamplerSpec:
     """Drop the last incomplete global batch of each epoch."""
     remainder: str = "pad"
     """Without drop_last: ``pad`` or ``partial`` (see ``REMAINDER_MODES``)."""
+
+    @property
+    def partial_batches(self) -> bool:
+        """Whether an epoch's last global batch is delivered as the samples there are (``remainder="partial"``
+        without drop_last): then an epoch smaller than one batch is one batch of them, as a torch DataLoader's
+        ``drop_last=False`` gives."""
+        return self.remainder == "partial" and not self.drop_last
 
     def __post_init__(self):
         # integers only: a loader state stores them, and a resume reads them back as integers
@@ -291,13 +298,11 @@ class EpochPlan:
         last = len(self) if count is None else first + count
         if count is not None and count < 0 or not 0 <= first <= last <= len(self):
             raise IndexError(f"batches {first}..{last - 1} out of range 0..{len(self) - 1}")
-        n, gb, b = len(self.order), self.sampler.global_batch, self.sampler.spec.batch_size
+        n, gb = len(self.order), self.sampler.global_batch
         tail = last
         if self.sampler.spec.remainder == "partial" and last > first and self.start + last * gb > n:
             tail = last - 1  # the partial last batch is cut differently
-        g = np.arange(first, tail, dtype=np.int64)
-        pos = (self.start + g * gb + self.sampler.rank * b)[:, None] + np.arange(b, dtype=np.int64)
-        parts = [pos.reshape(-1)] + ([self._positions(tail)] if tail < last else [])
+        parts = [self._full_positions(first, tail)] + ([self._positions(tail)] if tail < last else [])
         pos = np.concatenate(parts)
         return self.order[pos % n], pos >= n
 
@@ -321,6 +326,17 @@ class EpochPlan:
             for j in range(count):  # only the epoch's last batch can be shorter than batch_size
                 end = (j + 1) * b if j < count - 1 else len(indices)
                 yield indices[j * b:end], padded[j * b:end]
+
+    def _full_positions(self, first: int, tail: int) -> np.ndarray:
+        """Global positions of this rank's part of the full batches ``first .. tail - 1``, concatenated (none made
+        for none: a ``partial`` epoch smaller than one batch has no full batch, and its batch_size may be far
+        larger than the epoch)."""
+        if tail <= first:
+            return np.empty(0, np.int64)
+        b = self.sampler.spec.batch_size
+        g = np.arange(first, tail, dtype=np.int64)
+        return ((self.start + g * self.sampler.global_batch + self.sampler.rank * b)[:, None]
+                + np.arange(b, dtype=np.int64)).reshape(-1)
 
     def _positions(self, g: int) -> np.ndarray:
         """Global positions (``>= len(order)`` where padding wraps) of this rank's part of batch ``g``."""
