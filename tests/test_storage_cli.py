@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from helpers import run_cli
@@ -136,3 +137,48 @@ def test_verify_with_no_room_for_a_download_is_one_line(aws_env, s3_bucket, imag
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"fastio: error: {url}/shards/shard-000000.tar: cannot download into ") and \
         err.endswith(": File too large\n"), err
+
+
+def test_unindexed_tars_and_a_dataset_file_on_s3_are_named_as_locally(aws_env, s3_bucket, image_folder, tmp_path,
+                                                                    capsys):
+    """Before: `fastio verify|inspect s3://b/wds` of WebDataset tars without a manifest said 'not a fastio dataset (no
+    manifest.json; an interrupted conversion?)' where a local folder of them says to run `fastio index`; and the URL of
+    a dataset's manifest (s3://b/ds/manifest.json), of its splits.json or of one of its shards said the same where a
+    local path names its dataset. Now each says what a local path says, naming the URL (a few objects listed)."""
+    import io
+    import tarfile
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo("k0.jpg")
+        tar.addfile(info, io.BytesIO(b""))
+    wds, local = open_storage(f"s3://{s3_bucket}/wds"), tmp_path / "wds"
+    local.mkdir()
+    for i in range(3):
+        wds.put_bytes(f"{i:05d}.tar", data.getvalue())
+        (local / f"{i:05d}.tar").write_bytes(data.getvalue())
+    for dest in (str(local), wds.url, wds.url + "/"):
+        said = (f"fastio: error: {dest.rstrip('/')}: tar shards without a manifest.json, not yet a dataset: make it "
+                f"one with `fastio index {dest.rstrip('/')}`\n")
+        for command in ("verify", "inspect"):
+            assert run_cli([command, dest], capsys)[1:] == ("", said), (command, dest)
+    with pytest.raises(DatasetError, match=re.escape(f"fastio index {wds.url}`")):
+        Loader(wds.url, batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    url, split = f"s3://{s3_bucket}/ds", f"s3://{s3_bucket}/split"
+    assert run_cli(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q"], capsys)[0] == 0
+    assert run_cli(["convert", str(image_folder), split, "--split", "val=0.25", "-q"], capsys)[0] == 0
+    for given, what, dataset in ((f"{url}/manifest.json", "file", url),
+                                 (f"{url}/shards/shard-000001.tar", "shard", url),
+                                 (f"{split}/splits.json", "file", split),
+                                 (f"{split}/val/manifest.json", "file", f"{split}/val")):
+        said = f"fastio: error: {given}: a {what} of the dataset {dataset}: give the dataset folder\n"
+        for command in ("verify", "inspect"):
+            assert run_cli([command, given], capsys)[1:] == ("", said), (command, given)
+    with pytest.raises(DatasetError, match=re.escape(f"a file of the dataset {url}: give the dataset folder")):
+        Loader(f"{url}/manifest.json", batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    code, _, err = run_cli(["index", f"{url}/manifest.json"], capsys)  # said "holds no .tar files"
+    assert code == 2 and err == (f"fastio: error: {url}/manifest.json: an object, not a prefix: give the prefix "
+                                 "holding the shards, or a brace pattern\n"), err
+    code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)  # nothing there: as before
+    assert code == 2 and err == f"fastio: error: s3://{s3_bucket}/nothing: not a fastio dataset (no manifest.json; " \
+                                "an interrupted conversion?)\n"

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastio.convert.foreign_tar import COMPRESSED
-from fastio.dataset.files import dest_child, dest_split_names
+from fastio.dataset.files import dest_child, dest_split_names, names_object
 from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR
 from fastio.errors import DatasetError
 from fastio.formats.images import is_image_field
@@ -209,7 +209,7 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
         skipped = []
         if not found and any(c in source for c in "*?["):
             raise DatasetError(glob)
-        if not found and source.endswith(".tar"):
+        if not found and (source.endswith(".tar") or names_object(source, options)):
             raise DatasetError(f"{source}: an object, not a prefix: give the prefix holding the shards, or a brace "
                                "pattern")
     else:

@@ -16,14 +16,22 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastio.dataset.manifest import (
+    LOOK_AT,
     MANIFEST_NAME,
+    MARKER_NAME,
+    PARTS_DIR,
     SHARDS_DIR,
     SPLITS_NAME,
     IndexRecord,
     Manifest,
     ShardRecord,
+    file_not_dataset,
+    file_of_dataset,
+    holds_of,
     load_manifest,
     split_names,
+    tar_not_dataset,
+    tars_not_dataset,
 )
 from fastio.errors import DatasetError, StorageError
 from fastio.storage.base import Storage, open_storage
@@ -32,7 +40,7 @@ from fastio.storage.options import StorageOptions
 from fastio.storage.url import local_or_url
 from fastio.words import count
 
-__all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "no_manifest",
+__all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "names_object", "no_manifest",
            "open_files"]
 
 
@@ -127,9 +135,11 @@ class LocalFiles(DatasetFiles):
 
 
 def no_manifest(url: str, storage: Storage) -> DatasetError:
-    """The error for a DEST on an object store (``storage``) whose manifest is missing: its bucket does not
-    exist (asked with one GET of a key that is never there: S3 names ``NoSuchBucket`` in the body), or it is not
-    a fastio dataset."""
+    """The error for a DEST ``url`` on an object store (``storage``: its client's options) whose manifest is
+    missing, as :func:`~fastio.dataset.manifest.not_a_dataset` says it of a local path: its bucket does not exist
+    (asked with one GET of a key that is never there: S3 names ``NoSuchBucket`` in the body), the URL is an object
+    (a dataset's file: the dataset named), the prefix holds tar shards (the first objects listed: the command that
+    makes it a dataset), or it is not a fastio dataset."""
     bucket = url.split("/", 3)[2] if url.startswith("s3://") else None
     if bucket:
         try:
@@ -137,7 +147,39 @@ def no_manifest(url: str, storage: Storage) -> DatasetError:
         except StorageError as err:
             if "NoSuchBucket" in str(err):
                 return DatasetError(f"{url}: no such bucket {bucket!r} (at this endpoint)")
-    return DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+    return _object_not_dataset(url, storage.options) or _prefix_not_dataset(url, storage.options) or DatasetError(
+        f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def names_object(url: str, options: StorageOptions | dict | None) -> bool:
+    """Whether the ``s3://`` URL names an object (a dataset's ``manifest.json``), not a prefix: one HEAD."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    return bool(name) and parent.count("/") >= 2 and open_storage(parent, options).exists(name)
+
+
+def _object_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
+    """The error for a URL that names an object (:func:`names_object`), not a prefix: a file of the dataset beside
+    it (or above its ``shards/``), a tar shard of none, or another file; None where no such object exists."""
+    if not names_object(url, options):
+        return None
+    parent = url.rstrip("/").rpartition("/")[0]
+    owners = (parent, parent.rpartition("/")[0]) if parent.endswith(f"/{SHARDS_DIR}") else (parent,)
+    for owner in owners:
+        folder = open_storage(owner, options)
+        if folder.exists(MANIFEST_NAME) or folder.exists(SPLITS_NAME):
+            return file_of_dataset(url, owner)
+    return tar_not_dataset(url, parent) if url.rstrip("/").lower().endswith(".tar") else file_not_dataset(url)
+
+
+def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
+    """The error for a prefix of tar shards (in it or one folder below, as a local folder is looked at) and no
+    run's marker (an unfinished conversion's shards are not a source); None for any other. Lists the first
+    :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
+    keys = [o.key for o in open_storage(url, options).list("", limit=LOOK_AT)]
+    if MARKER_NAME in keys or any(k.startswith(f"{PARTS_DIR}/") for k in keys):
+        return None
+    return tars_not_dataset(url) if "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1]) \
+        else None
 
 
 class RemoteFiles(DatasetFiles):

@@ -31,6 +31,12 @@ from fastio.storage.atomic import atomic_write_bytes
 from fastio.words import agree
 
 __all__ = [
+    "LOOK_AT",
+    "tars_not_dataset",
+    "tar_not_dataset",
+    "holds_of",
+    "file_not_dataset",
+    "file_of_dataset",
     "FORMAT",
     "fastio_json",
     "ChatInfo",
@@ -609,7 +615,8 @@ def write_manifest(dest: Path, manifest: Manifest) -> None:
     atomic_write_bytes(path, manifest.to_json())
 
 
-_LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
+LOOK_AT = 2000
+"""Entries of a folder (or objects below a prefix) looked at to tell what it holds."""
 
 
 def not_a_dataset(dest: Path) -> DatasetError:
@@ -619,11 +626,9 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if dest.is_file():
         owner = _dataset_of_file(dest)
         if owner is not None:
-            what = "shard" if dest.suffix.lower() in (".tar", ".bin", ".idx") else "file"
-            return DatasetError(f"{dest}: a {what} of the dataset {owner}: give the dataset folder")
+            return file_of_dataset(dest, owner)
         if dest.suffix.lower() == ".tar":
-            return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
-                                f"shards one with `fastio index {shlex.quote(str(dest.parent))}`, then give that folder")
+            return tar_not_dataset(dest, dest.parent)
     pairs = _megatron_folder(dest)
     if pairs is not None and not (dest / MARKER_NAME).is_file():
         what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
@@ -633,8 +638,7 @@ def not_a_dataset(dest: Path) -> DatasetError:
                             f"`fastio index {shlex.quote(str(pairs))} --eos-id N` "
                             "(N: the id that ends every document), then give that folder")
     if dest.is_file():
-        return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
-                            "or `fastio index`")
+        return file_not_dataset(dest)
     if not dest.is_dir():
         return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory{_nearest(dest)}")
     unfinished = unfinished_run(dest)
@@ -642,8 +646,7 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return unfinished
     holds = _holds(dest)
     if "tar" in holds:
-        return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
-                            f"`fastio index {shlex.quote(str(dest))}`")
+        return tars_not_dataset(dest)
     if "image" in holds:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with "
                             f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
@@ -651,6 +654,30 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
                             "`fastio index` made")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def file_of_dataset(given: str | Path, owner: str | Path) -> DatasetError:
+    """The error for a file of a dataset (its manifest, a shard) given where the dataset is wanted: names it."""
+    what = "shard" if str(given).lower().endswith((".tar", ".bin", ".idx")) else "file"
+    return DatasetError(f"{given}: a {what} of the dataset {owner}: give the dataset folder")
+
+
+def tar_not_dataset(given: str | Path, folder: str | Path) -> DatasetError:
+    """The error for one tar shard (of no dataset) given as a dataset: the command that makes its folder one."""
+    return DatasetError(f"{given}: a tar shard, not a dataset: a dataset is a folder; make the folder of shards one "
+                        f"with `fastio index {shlex.quote(str(folder))}`, then give that folder")
+
+
+def file_not_dataset(given: str | Path) -> DatasetError:
+    """The error for a file (of no dataset, not a tar) given as a dataset."""
+    return DatasetError(f"{given}: a file, not a dataset: a dataset is a folder made by `fastio convert` or "
+                        "`fastio index`")
+
+
+def tars_not_dataset(dest: str | Path) -> DatasetError:
+    """The error for a folder (or prefix) of tar shards without a manifest: the command that makes it a dataset."""
+    return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
+                        f"`fastio index {shlex.quote(str(dest))}`")
 
 
 def unfinished_run(dest: Path) -> DatasetError | None:
@@ -689,7 +716,7 @@ def _nearest(dest: Path) -> str:
         names = sorted(e.name for e in os.scandir(dest.parent or ".") if e.is_dir() and not e.name.startswith("."))
     except OSError:
         return ""
-    near = difflib.get_close_matches(dest.name, names[:_LOOK_AT], n=1)
+    near = difflib.get_close_matches(dest.name, names[:LOOK_AT], n=1)
     return f" (did you mean {dest.parent / near[0]}?)" if near else ""
 
 
@@ -724,7 +751,7 @@ def _megatron_folder(dest: Path) -> Path | None:
     ``data/web_text_document``); else None."""
     if dest.is_dir():
         try:
-            names = {n for n in os.listdir(dest)[:_LOOK_AT] if not n.startswith(".")}
+            names = {n for n in os.listdir(dest)[:LOOK_AT] if not n.startswith(".")}
         except OSError:
             return None
         return dest if any(n.endswith(".bin") and f"{n[:-4]}.idx" in names for n in names) else None
@@ -742,17 +769,22 @@ def _read_head(path: Path) -> bytes:
 
 
 def _holds(folder: Path) -> set[str]:
-    """What a folder and its sub-folders hold, by file suffix: ``tar``, ``image`` (a bounded look; an unreadable
-    folder holds nothing)."""
-    found: set[str] = set()
+    """What a folder and its sub-folders hold (:func:`holds_of`; a bounded look; an unreadable folder holds
+    nothing)."""
     names: list[str] = []
     try:
         subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
         for sub in [folder, *subs][:64]:
-            names += os.listdir(sub)[:_LOOK_AT]
+            names += os.listdir(sub)[:LOOK_AT]
     except OSError:
         pass
-    for name in names[:_LOOK_AT]:
+    return holds_of(names)
+
+
+def holds_of(names: list[str]) -> set[str]:
+    """What files of these names are, by suffix: ``tar``, ``image`` (the first :data:`LOOK_AT` names looked at)."""
+    found: set[str] = set()
+    for name in names[:LOOK_AT]:
         if name.lower().endswith(".tar"):
             found.add("tar")
         elif "." in name and is_image_field(name):

@@ -90,8 +90,9 @@ class Storage(ABC):
         """Write a small object whole."""
 
     @abstractmethod
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every object whose key starts with ``prefix`` (recursively), sorted by key."""
+    def list(self, prefix: str = "", limit: int | None = None) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursively), sorted by key; with ``limit``, the first
+        ``limit`` of them (on S3, only the pages of the listing that hold them are asked for)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -186,7 +187,7 @@ class LocalStorage(Storage):
         final.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(final, data)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "", limit: int | None = None) -> list[ObjectInfo]:
         if not self.root.is_dir():
             return []
         out = []
@@ -194,7 +195,7 @@ class LocalStorage(Storage):
             rel = p.relative_to(self.root).as_posix()
             if rel.startswith(prefix) and p.is_file():
                 out.append(ObjectInfo(rel, p.stat().st_size))
-        return sorted(out, key=lambda o: o.key)
+        return sorted(out, key=lambda o: o.key)[:limit]
 
     def delete(self, key: str) -> None:
         try:
@@ -283,10 +284,10 @@ class S3Storage(Storage):
         full = self._key(key)
         self._retrying(lambda: self._client.put_bytes(full, data), key, "PUT")
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "", limit: int | None = None) -> list[ObjectInfo]:
         base = self._key("")
         full = join_key(base, prefix) if prefix else (base + "/" if base else "")
-        items = self._retrying(lambda: self._client.list(full), prefix, "LIST")
+        items = self._retrying(lambda: self._client.list(full, limit), prefix, "LIST")
         cut = len(base) + 1 if base else 0
         return sorted((ObjectInfo(k[cut:], s) for k, s in items if k.startswith(full)), key=lambda o: o.key)
 
