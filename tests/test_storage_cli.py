@@ -164,6 +164,22 @@ def test_unindexed_tars_and_a_dataset_file_on_s3_are_named_as_locally(aws_env, s
             assert run_cli([command, dest], capsys)[1:] == ("", said), (command, dest)
     with pytest.raises(DatasetError, match=re.escape(f"fastio index {wds.url}`")):
         Loader(wds.url, batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    for folder in (str(local), wds.url):  # what other loaders take: a brace pattern, a glob; Megatron pairs
+        for given, command in ((f"{folder}/{{00000..00002}}.tar", f"'{folder}/{{00000..00002}}.tar'"),
+                               (f"{folder}/*.tar", folder)):
+            said = (f"fastio: error: {given}: a pattern of tar shards, not a dataset: a dataset is a folder; make "
+                    f"its shards one with `fastio index {command}`, then give {folder}\n")
+            assert run_cli(["verify", given], capsys)[1:] == ("", said), given
+    mg, local_mg = open_storage(f"s3://{s3_bucket}/mg"), tmp_path / "mg"
+    local_mg.mkdir()
+    for name in ("web_text_document.bin", "web_text_document.idx"):
+        mg.put_bytes(name, b"\0" * 16)
+        (local_mg / name).write_bytes(b"\0" * 16)
+    for folder in (str(local_mg), mg.url):
+        said = (f"fastio: error: {folder}: a folder of Megatron .bin/.idx pairs without a manifest.json, not yet a "
+                f"dataset: make it one with `fastio index {folder} --eos-id N` (N: the id that ends every document), "
+                "then give that folder\n")
+        assert run_cli(["inspect", folder], capsys)[1:] == ("", said), folder
     url, split = f"s3://{s3_bucket}/ds", f"s3://{s3_bucket}/split"
     assert run_cli(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q"], capsys)[0] == 0
     assert run_cli(["convert", str(image_folder), split, "--split", "val=0.25", "-q"], capsys)[0] == 0

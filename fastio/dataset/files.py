@@ -28,7 +28,10 @@ from fastio.dataset.manifest import (
     file_not_dataset,
     file_of_dataset,
     holds_of,
+    holds_pairs,
     load_manifest,
+    pairs_not_dataset,
+    shard_pattern,
     split_names,
     tar_not_dataset,
     tars_not_dataset,
@@ -147,8 +150,10 @@ def no_manifest(url: str, storage: Storage) -> DatasetError:
         except StorageError as err:
             if "NoSuchBucket" in str(err):
                 return DatasetError(f"{url}: no such bucket {bucket!r} (at this endpoint)")
-    return _object_not_dataset(url, storage.options) or _prefix_not_dataset(url, storage.options) or DatasetError(
-        f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+    options = storage.options
+    return (shard_pattern(url, lambda folder: open_storage(folder, options).exists(MANIFEST_NAME))
+            or _object_not_dataset(url, options) or _prefix_not_dataset(url, options)
+            or DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)"))
 
 
 def names_object(url: str, options: StorageOptions | dict | None) -> bool:
@@ -172,12 +177,14 @@ def _object_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
 
 
 def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
-    """The error for a prefix of tar shards (in it or one folder below, as a local folder is looked at) and no
-    run's marker (an unfinished conversion's shards are not a source); None for any other. Lists the first
-    :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
+    """The error for a prefix of Megatron pairs (directly in it) or of tar shards (in it or one folder below, as
+    a local folder is looked at) and no run's marker (an unfinished conversion's shards are not a source); None for
+    any other. Lists the first :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
     keys = [o.key for o in open_storage(url, options).list("", limit=LOOK_AT)]
     if MARKER_NAME in keys or any(k.startswith(f"{PARTS_DIR}/") for k in keys):
         return None
+    if holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")}):
+        return pairs_not_dataset(url, url, "a folder of Megatron .bin/.idx pairs")
     return tars_not_dataset(url) if "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1]) \
         else None
 

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,9 @@ from fastio.storage.atomic import atomic_write_bytes
 from fastio.words import agree
 
 __all__ = [
+    "shard_pattern",
+    "pairs_not_dataset",
+    "holds_pairs",
     "LOOK_AT",
     "tars_not_dataset",
     "tar_not_dataset",
@@ -633,14 +636,12 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if pairs is not None and not (dest / MARKER_NAME).is_file():
         what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
             "a file of a Megatron .bin/.idx pair" if dest.is_file() else "a Megatron data prefix")
-        return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
-                            f"{'it' if pairs == dest else 'its folder'} one with "
-                            f"`fastio index {shlex.quote(str(pairs))} --eos-id N` "
-                            "(N: the id that ends every document), then give that folder")
+        return pairs_not_dataset(dest, pairs, what)
     if dest.is_file():
         return file_not_dataset(dest)
     if not dest.is_dir():
-        return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory{_nearest(dest)}")
+        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or DatasetError(
+            f"{dest}: no such dataset directory{_nearest(dest)}")
     unfinished = unfinished_run(dest)
     if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
         return unfinished
@@ -672,6 +673,20 @@ def file_not_dataset(given: str | Path) -> DatasetError:
     """The error for a file (of no dataset, not a tar) given as a dataset."""
     return DatasetError(f"{given}: a file, not a dataset: a dataset is a folder made by `fastio convert` or "
                         "`fastio index`")
+
+
+def pairs_not_dataset(dest: str | Path, pairs: str | Path, what: str) -> DatasetError:
+    """The error for Megatron ``.bin``/``.idx`` pairs without a manifest (``what`` ``dest`` is: their folder, a
+    pair's file, a data prefix): the command that makes their folder ``pairs`` a token dataset."""
+    return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
+                        f"{'it' if pairs == dest else 'its folder'} one with "
+                        f"`fastio index {shlex.quote(str(pairs))} --eos-id N` "
+                        "(N: the id that ends every document), then give that folder")
+
+
+def holds_pairs(names: Collection[str]) -> bool:
+    """Whether a folder of these (not hidden) names holds a Megatron pair: ``X.bin`` beside ``X.idx``."""
+    return any(n.endswith(".bin") and f"{n[:-4]}.idx" in names for n in names)
 
 
 def tars_not_dataset(dest: str | Path) -> DatasetError:
@@ -729,15 +744,16 @@ def _dataset_of_file(file: Path) -> Path | None:
     return None
 
 
-def _shard_pattern(dest: Path) -> DatasetError | None:
+def shard_pattern(dest: str, is_dataset: Callable[[str], bool]) -> DatasetError | None:
     """The error for a WebDataset shard spec (``wds/shard-{000..009}.tar``, what other loaders take) or a glob of
-    tars given as a dataset, naming the ``fastio index`` command that makes their folder one; else None."""
-    text = str(dest)
+    tars given as a dataset (a path or URL), naming the ``fastio index`` command that makes their folder one (or
+    the folder, where ``is_dataset(folder)``: it holds a manifest); else None."""
+    text = dest
     at = min((text.index(c) for c in "{*?[" if c in text), default=-1)
     if at < 0 or not text.lower().endswith(".tar"):
         return None
     folder = text[:at].rsplit("/", 1)[0] if "/" in text[:at] else "."
-    if (Path(folder) / MANIFEST_NAME).is_file():
+    if is_dataset(folder):
         return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: their folder {folder} is one; give it")
     # fastio expands no globs: a glob names the folder, a brace pattern itself (quoted for the shell)
     command = f"fastio index {shlex.quote(text)}" if "{" in text else f"fastio index {shlex.quote(folder)}"
@@ -754,7 +770,7 @@ def _megatron_folder(dest: Path) -> Path | None:
             names = {n for n in os.listdir(dest)[:LOOK_AT] if not n.startswith(".")}
         except OSError:
             return None
-        return dest if any(n.endswith(".bin") and f"{n[:-4]}.idx" in names for n in names) else None
+        return dest if holds_pairs(names) else None
     stem = dest.with_suffix("") if dest.suffix in (".bin", ".idx") else dest
     return dest.parent if Path(f"{stem}.bin").is_file() and Path(f"{stem}.idx").is_file() else None
 
