@@ -449,10 +449,12 @@ def _own_staging(staging: Path, dest: str) -> Path:
 
 
 def _publish(storage: Storage, local: Path, guard: Callable[[], None]) -> list[str]:
-    """Upload the dataset in ``local``, each manifest after the shards, ``splits.json`` last; the keys."""
+    """Upload the dataset in ``local``: the run's marker first (no shard is ever under DEST without it: a run killed
+    mid-upload leaves an unfinished conversion, which its rerun replaces), each manifest after the shards,
+    ``splits.json`` last; the keys."""
     splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
     last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
-    return storage.publish_dir(local, keys_last=last, before_last=guard)
+    return storage.publish_dir(local, keys_last=last, before_last=guard, keys_first=(MARKER_NAME,))
 
 
 def _take_back_uploads(storage: Storage, local: Path, before: set[str], guard: Callable[[], None]) -> None:

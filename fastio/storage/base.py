@@ -115,20 +115,25 @@ class Storage(ABC):
         return len(data)
 
     def publish_dir(self, local: Path, keys_last: tuple[str, ...] = (),
-                    before_last: Callable[[], None] | None = None) -> list[str]:
-        """Upload every file under ``local`` to the same relative keys; the keys in ``keys_last`` are uploaded
-        after all others, in that order (a manifest or commit marker makes the upload visible), after calling
-        ``before_last`` (a writer's last chance to refuse, e.g. a lease check). Returns the keys."""
+                    before_last: Callable[[], None] | None = None, keys_first: tuple[str, ...] = ()) -> list[str]:
+        """Upload every file under ``local`` to the same relative keys; the keys in ``keys_first`` are uploaded
+        before all others, in that order (an unfinished-output marker: no other object is ever there without it),
+        those in ``keys_last`` after all others, in that order (a manifest or commit marker makes the upload
+        visible), after calling ``before_last`` (a writer's last chance to refuse, e.g. a lease check). Returns the
+        keys."""
         local = Path(local)
         files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        last = [k for k in keys_last if k in files]
-        first = [k for k in files if k not in last]
-        self._put_many(local, first)
+        head = [k for k in keys_first if k in files]
+        last = [k for k in keys_last if k in files and k not in head]
+        middle = [k for k in files if k not in last and k not in head]
+        for k in head:
+            self.put_file(k, local / k)
+        self._put_many(local, middle)
         if before_last is not None:
             before_last()
         for k in last:
             self.put_file(k, local / k)
-        return first + last
+        return head + middle + last
 
     def _put_many(self, local: Path, keys: list[str]) -> None:
         for k in keys:
