@@ -195,6 +195,15 @@ def test_unindexed_tars_and_a_dataset_file_on_s3_are_named_as_locally(aws_env, s
     code, _, err = run_cli(["index", f"{url}/manifest.json"], capsys)  # said "holds no .tar files"
     assert code == 2 and err == (f"fastio: error: {url}/manifest.json: an object, not a prefix: give the prefix "
                                  "holding the shards, or a brace pattern\n"), err
+    for run, marker in (("fastio convert", b"fastio convert output; complete once manifest.json or splits.json "
+                                           b"exists\n"),
+                        ("fastio index", b"fastio index output; complete once manifest.json exists\n")):
+        killed = open_storage(f"s3://{s3_bucket}/killed-{run[7:]}")  # a run killed mid-upload: its marker, shards
+        killed.put_bytes(".fastio-output", marker)
+        killed.put_bytes("shards/shard-000000.tar", data.getvalue())
+        said = (f"fastio: error: {killed.url}: an unfinished {run} (killed or stopped: .fastio-output without "
+                f"manifest.json), not a dataset; run the same {run} again to finish it\n")
+        assert run_cli(["verify", killed.url], capsys)[1:] == ("", said)
     code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)  # nothing there: as before
     assert code == 2 and err == f"fastio: error: s3://{s3_bucket}/nothing: not a fastio dataset (no manifest.json; " \
                                 "an interrupted conversion?)\n"

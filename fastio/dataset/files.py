@@ -19,7 +19,6 @@ from fastio.dataset.manifest import (
     LOOK_AT,
     MANIFEST_NAME,
     MARKER_NAME,
-    PARTS_DIR,
     SHARDS_DIR,
     SPLITS_NAME,
     IndexRecord,
@@ -35,6 +34,7 @@ from fastio.dataset.manifest import (
     split_names,
     tar_not_dataset,
     tars_not_dataset,
+    unfinished_marked,
 )
 from fastio.errors import DatasetError, StorageError
 from fastio.storage.base import Storage, open_storage
@@ -177,12 +177,16 @@ def _object_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
 
 
 def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
-    """The error for a prefix of Megatron pairs (directly in it) or of tar shards (in it or one folder below, as
-    a local folder is looked at) and no run's marker (an unfinished conversion's shards are not a source); None for
+    """The error for a prefix holding a run's marker (an unfinished run: its shards are not a source), or Megatron
+    pairs (directly in it) or tar shards (in it or one folder below, as a local folder is looked at); None for
     any other. Lists the first :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
-    keys = [o.key for o in open_storage(url, options).list("", limit=LOOK_AT)]
-    if MARKER_NAME in keys or any(k.startswith(f"{PARTS_DIR}/") for k in keys):
-        return None
+    storage = open_storage(url, options)
+    keys = [o.key for o in storage.list("", limit=LOOK_AT)]
+    if MARKER_NAME in keys:
+        try:
+            return unfinished_marked(url, storage.get(MARKER_NAME)[:64])  # a line fastio wrote
+        except StorageError:  # deleted since it was listed (the run's cleanup): what else is there is no source
+            return None
     if holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")}):
         return pairs_not_dataset(url, url, "a folder of Megatron .bin/.idx pairs")
     return tars_not_dataset(url) if "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1]) \

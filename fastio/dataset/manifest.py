@@ -31,6 +31,7 @@ from fastio.storage.atomic import atomic_write_bytes
 from fastio.words import agree
 
 __all__ = [
+    "unfinished_marked",
     "shard_pattern",
     "pairs_not_dataset",
     "holds_pairs",
@@ -707,10 +708,16 @@ def unfinished_run(dest: Path) -> DatasetError | None:
         return DatasetError(f"{dest}: parts of a --part K/N run ({PARTS_DIR}/), not merged yet, not a dataset; "
                             f"merge them with `fastio merge {dest}`")
     if (dest / MARKER_NAME).is_file():
-        what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
-        return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
-                            f"{MANIFEST_NAME}), not a dataset; run the same {what} again to finish it")
+        return unfinished_marked(dest, _read_head(dest / MARKER_NAME))
     return unfinished_split(dest)
+
+
+def unfinished_marked(dest: str | Path, marker: bytes) -> DatasetError:
+    """The error for a folder (or prefix) holding a run's marker (``marker``: its first bytes, which name the
+    command) and no manifest: the run to finish."""
+    what = "fastio index" if marker.startswith(b"fastio index") else "fastio convert"
+    return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without {MANIFEST_NAME}), "
+                        f"not a dataset; run the same {what} again to finish it")
 
 
 def unfinished_split(dest: Path) -> DatasetError | None:
