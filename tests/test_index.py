@@ -1275,3 +1275,20 @@ def test_datasets_below_an_s3_source_are_not_indexed_again(aws_env, s3_bucket, i
         code, out, err = run_cli(["index", source], capsys)
         assert code == 0 and out.startswith("indexed 1 shard, 3 samples "), (source, out, err)
     assert json.loads(open_storage(url).get("manifest.json"))["total_samples"] == 3
+
+
+def test_the_shards_folder_of_an_s3_dataset_is_not_indexed_into(aws_env, s3_bucket, image_folder, capsys):
+    """Before: `fastio index s3://b/ds/shards` (a converted dataset's own shards/) wrote a manifest, samples.fxi and
+    a marker among that dataset's shards, where a local ds/shards is refused. Now it is refused as locally."""
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/ds"
+    assert run_cli(["convert", str(image_folder), url, "-q", "--max-samples-per-shard", "16"], capsys)[0] == 0
+    before = sorted(o.key for o in open_storage(url).list())
+    for source, extra in ((f"{url}/shards", ()), (f"{url}/shards/", ()), (f"{url}/shards", ("--overwrite",)),
+                          (f"{url}/shards/shard-{{000000..000002}}.tar", ("--dest", f"{url}/shards"))):
+        code, _, err = run_cli(["index", source, *extra], capsys)
+        assert code == 2 and err == (f"fastio: error: {url}/shards: the shards/ folder of the dataset {url}: an index "
+                                     "here would add files to that dataset; it is read as it is (give the dataset's "
+                                     "folder), or index these shards into another folder (--dest)\n"), (source, err)
+    assert sorted(o.key for o in open_storage(url).list()) == before

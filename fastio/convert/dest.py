@@ -247,16 +247,19 @@ def lock_parts(dest: Path) -> list[DirLock]:
 
 
 def refuse_a_datasets_shards(dest: Storage) -> None:
-    """DatasetError where a local DEST of ``fastio index`` is the ``shards/`` folder of a dataset (beside its
-    manifest, :func:`~fastio.convert.listing.owns_shards_dir`): the index would put its own manifest and tables among
-    that dataset's files, and ``fastio verify`` of it would then fail. Whatever ``overwrite`` says: it is another
-    dataset's folder."""
+    """DatasetError where a DEST of ``fastio index`` (a folder or an ``s3://`` prefix) is the ``shards/`` folder of a
+    dataset (beside its manifest, :func:`~fastio.convert.listing.owns_shards_dir`): the index would put its own
+    manifest and tables among that dataset's files, and ``fastio verify`` of it would then fail. Whatever
+    ``overwrite`` says: it is another dataset's folder."""
     if dest.remote:
-        return
-    path = dest.location.path
-    real = Path(os.path.realpath(path))
-    if real.name == SHARDS_DIR and owns_shards_dir(open_storage(real.parent)):
-        raise DatasetError(f"{path}: the {SHARDS_DIR}/ folder of the dataset {path.parent}: an index here would add "
+        shown, (parent, _, name) = dest.url, dest.url.rstrip("/").rpartition("/")
+        owner = open_storage(parent, dest.options) if name == SHARDS_DIR and parent.count("/") >= 2 else None
+    else:
+        path, real = dest.location.path, Path(os.path.realpath(dest.location.path))
+        shown, parent = path, path.parent
+        owner = open_storage(real.parent) if real.name == SHARDS_DIR else None
+    if owner is not None and owns_shards_dir(owner):
+        raise DatasetError(f"{shown}: the {SHARDS_DIR}/ folder of the dataset {parent}: an index here would add "
                            "files to that dataset; it is read as it is (give the dataset's folder), or index these "
                            "shards into another folder (--dest)")
 
