@@ -183,8 +183,12 @@ def test_unindexed_tars_and_a_dataset_file_on_s3_are_named_as_locally(aws_env, s
     url, split = f"s3://{s3_bucket}/ds", f"s3://{s3_bucket}/split"
     assert run_cli(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q"], capsys)[0] == 0
     assert run_cli(["convert", str(image_folder), split, "--split", "val=0.25", "-q"], capsys)[0] == 0
+    local_ds = tmp_path / "ds"
+    assert run_cli(["convert", str(image_folder), str(local_ds), "-q"], capsys)[0] == 0
     for given, what, dataset in ((f"{url}/manifest.json", "file", url),
                                  (f"{url}/shards/shard-000001.tar", "shard", url),
+                                 (f"{url}/shards", "folder", url),  # said to run `fastio index`, which refuses it
+                                 (f"{local_ds}/shards", "folder", local_ds),
                                  (f"{split}/splits.json", "file", split),
                                  (f"{split}/val/manifest.json", "file", f"{split}/val")):
         said = f"fastio: error: {given}: a {what} of the dataset {dataset}: give the dataset folder\n"

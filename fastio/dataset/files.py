@@ -177,9 +177,13 @@ def _object_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
 
 
 def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
-    """The error for a prefix holding a run's marker (an unfinished run: its shards are not a source), or Megatron
-    pairs (directly in it) or tar shards (in it or one folder below, as a local folder is looked at); None for
-    any other. Lists the first :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
+    """The error for a dataset's ``shards/`` prefix (naming the dataset), a prefix holding a run's marker (an
+    unfinished run: its shards are not a source), Megatron pairs (directly in it) or tar shards (in it or one
+    folder below, as a local folder is looked at); None for any other. Lists the first
+    :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if name == SHARDS_DIR and parent.count("/") >= 2 and open_storage(parent, options).exists(MANIFEST_NAME):
+        return file_of_dataset(url, parent, "folder")  # not `fastio index`: it refuses that folder
     storage = open_storage(url, options)
     keys = [o.key for o in storage.list("", limit=LOOK_AT)]
     if MARKER_NAME in keys:

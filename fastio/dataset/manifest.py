@@ -633,6 +633,8 @@ def not_a_dataset(dest: Path) -> DatasetError:
             return file_of_dataset(dest, owner)
         if dest.suffix.lower() == ".tar":
             return tar_not_dataset(dest, dest.parent)
+    if dest.name == SHARDS_DIR and dest.is_dir() and (dest.parent / MANIFEST_NAME).is_file():
+        return file_of_dataset(dest, dest.parent, "folder")  # not `fastio index`: it refuses that folder
     pairs = _megatron_folder(dest)
     if pairs is not None and not (dest / MARKER_NAME).is_file():
         what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
@@ -658,9 +660,10 @@ def not_a_dataset(dest: Path) -> DatasetError:
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
 
 
-def file_of_dataset(given: str | Path, owner: str | Path) -> DatasetError:
-    """The error for a file of a dataset (its manifest, a shard) given where the dataset is wanted: names it."""
-    what = "shard" if str(given).lower().endswith((".tar", ".bin", ".idx")) else "file"
+def file_of_dataset(given: str | Path, owner: str | Path, what: str | None = None) -> DatasetError:
+    """The error for a file of a dataset (its manifest, a shard; or ``what`` else: its ``shards/`` folder) given
+    where the dataset is wanted: names it."""
+    what = what or ("shard" if str(given).lower().endswith((".tar", ".bin", ".idx")) else "file")
     return DatasetError(f"{given}: a {what} of the dataset {owner}: give the dataset folder")
 
 
