@@ -208,6 +208,12 @@ def test_unindexed_tars_and_a_dataset_file_on_s3_are_named_as_locally(aws_env, s
         said = (f"fastio: error: {killed.url}: an unfinished {run} (killed or stopped: .fastio-output without "
                 f"manifest.json), not a dataset; run the same {run} again to finish it\n")
         assert run_cli(["verify", killed.url], capsys)[1:] == ("", said)
+    run = open_storage(f"s3://{s3_bucket}/killed-split")  # a --split conversion killed mid-upload: not a source
+    run.put_bytes(".fastio-output", b"fastio convert output; complete once manifest.json or splits.json exists\n")
+    run.put_bytes("train/shards/shard-000000.tar", data.getvalue())
+    said = (f"fastio: error: {run.url}/train: a split of {run.url}: an unfinished fastio convert (killed or stopped: "
+            ".fastio-output without splits.json), not a dataset; run the same fastio convert again to finish it\n")
+    assert run_cli(["verify", f"{run.url}/train"], capsys)[1:] == ("", said)
     code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)  # nothing there: as before
     assert code == 2 and err == f"fastio: error: s3://{s3_bucket}/nothing: not a fastio dataset (no manifest.json; " \
                                 "an interrupted conversion?)\n"

@@ -32,6 +32,7 @@ from fastio.dataset.manifest import (
     pairs_not_dataset,
     shard_pattern,
     split_names,
+    split_unfinished,
     tar_not_dataset,
     tars_not_dataset,
     unfinished_marked,
@@ -191,10 +192,23 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
             return unfinished_marked(url, storage.get(MARKER_NAME)[:64])  # a line fastio wrote
         except StorageError:  # deleted since it was listed (the run's cleanup): what else is there is no source
             return None
-    if holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")}):
+    pairs = holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")})
+    tars = "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1])
+    if (pairs or tars) and parent.count("/") >= 2 and _unfinished_convert(open_storage(parent, options)):
+        return split_unfinished(url, parent)  # its shards are part of the source only: not `fastio index`
+    if pairs:
         return pairs_not_dataset(url, url, "a folder of Megatron .bin/.idx pairs")
-    return tars_not_dataset(url) if "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1]) \
-        else None
+    return tars_not_dataset(url) if tars else None
+
+
+def _unfinished_convert(run: Storage) -> bool:
+    """Whether the prefix ``run`` holds the marker of a ``fastio convert`` and neither a manifest nor a split list
+    (its folders are the splits of an unfinished conversion)."""
+    try:
+        marker = run.get(MARKER_NAME)[:64]
+    except StorageError:
+        return False
+    return marker.startswith(b"fastio convert") and not run.exists(MANIFEST_NAME) and not run.exists(SPLITS_NAME)
 
 
 class RemoteFiles(DatasetFiles):

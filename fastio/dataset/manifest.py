@@ -31,6 +31,7 @@ from fastio.storage.atomic import atomic_write_bytes
 from fastio.words import agree
 
 __all__ = [
+    "split_unfinished",
     "unfinished_marked",
     "shard_pattern",
     "pairs_not_dataset",
@@ -729,10 +730,14 @@ def unfinished_split(dest: Path) -> DatasetError | None:
     run = dest.parent
     if ((run / MARKER_NAME).is_file() and _read_head(run / MARKER_NAME).startswith(b"fastio convert")
             and not (run / MANIFEST_NAME).exists() and not (run / SPLITS_NAME).exists()):
-        return DatasetError(f"{dest}: a split of {run}: an unfinished fastio convert (killed or stopped: "
-                            f"{MARKER_NAME} without {SPLITS_NAME}), not a dataset; run the same fastio convert "
-                            "again to finish it")
+        return split_unfinished(dest, run)
     return None
+
+
+def split_unfinished(dest: str | Path, run: str | Path) -> DatasetError:
+    """The error for a split folder (or prefix) ``dest`` of the unfinished ``fastio convert`` into ``run``."""
+    return DatasetError(f"{dest}: a split of {run}: an unfinished fastio convert (killed or stopped: {MARKER_NAME} "
+                        f"without {SPLITS_NAME}), not a dataset; run the same fastio convert again to finish it")
 
 
 def _nearest(dest: Path) -> str:
