@@ -1292,3 +1292,21 @@ def test_the_shards_folder_of_an_s3_dataset_is_not_indexed_into(aws_env, s3_buck
                                      "here would add files to that dataset; it is read as it is (give the dataset's "
                                      "folder), or index these shards into another folder (--dest)\n"), (source, err)
     assert sorted(o.key for o in open_storage(url).list()) == before
+
+
+def test_a_split_of_an_unfinished_s3_conversion_is_not_indexed(aws_env, s3_bucket, tmp_path, capsys):
+    """Before: `fastio index s3://b/run/train`, a split of a --split conversion killed mid-upload (run/.fastio-output,
+    run/train/shards/, no splits.json), indexed its shards as a dataset in place, where a local run/train is refused
+    naming the conversion to run again. Now the same refusal, and nothing is written."""
+    from fastio.storage import open_storage
+
+    run = open_storage(f"s3://{s3_bucket}/run")
+    run.put_bytes(".fastio-output", b"fastio convert output; complete once manifest.json or splits.json exists\n")
+    run.put_bytes("train/shards/shard-000000.tar", _tar(tmp_path / "0.tar"))
+    before = sorted(o.key for o in run.list())
+    for argv in (["index", f"{run.url}/train"], ["index", f"{run.url}/train/", "--overwrite"]):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2 and err == (f"fastio: error: {run.url}/train: a split of {run.url}: an unfinished fastio "
+                                     "convert (killed or stopped: .fastio-output without splits.json), not a "
+                                     "dataset; run the same fastio convert again to finish it\n"), err
+    assert sorted(o.key for o in run.list()) == before

@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from fastio.convert.listing import display_of, owns_shards_dir
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
+from fastio.dataset.files import unfinished_split_of
 from fastio.dataset.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -265,11 +266,10 @@ def refuse_a_datasets_shards(dest: Storage) -> None:
 
 
 def refuse_a_split_of_an_unfinished_convert(folder: Storage) -> None:
-    """DatasetError where a local folder ``fastio index`` would read or write is a split folder (``DEST/train``) of an
-    unfinished ``fastio convert``: its shards are part of the source only, and the same convert redoes them."""
-    if folder.remote:
-        return
-    err = unfinished_split(folder.location.path)
+    """DatasetError where a folder (or ``s3://`` prefix) ``fastio index`` would read or write is a split folder
+    (``DEST/train``) of an unfinished ``fastio convert``: its shards are part of the source only, and the same
+    convert redoes them."""
+    err = unfinished_split_of(folder.url, folder.options) if folder.remote else unfinished_split(folder.location.path)
     if err is not None:
         raise err
 

@@ -45,7 +45,7 @@ from fastio.storage.url import local_or_url
 from fastio.words import count
 
 __all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "names_object", "no_manifest",
-           "open_files"]
+           "open_files", "unfinished_split_of"]
 
 
 class DatasetFiles:
@@ -194,14 +194,25 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
             return None
     pairs = holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")})
     tars = "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1])
-    if (pairs or tars) and parent.count("/") >= 2 and _unfinished_convert(open_storage(parent, options)):
-        return split_unfinished(url, parent)  # its shards are part of the source only: not `fastio index`
+    if pairs or tars:
+        unfinished = unfinished_split_of(url, options)  # its shards are part of the source only: not `fastio index`
+        if unfinished is not None:
+            return unfinished
     if pairs:
         return pairs_not_dataset(url, url, "a folder of Megatron .bin/.idx pairs")
     return tars_not_dataset(url) if tars else None
 
 
-def _unfinished_convert(run: Storage) -> bool:
+def unfinished_split_of(url: str, options: StorageOptions | dict | None) -> DatasetError | None:
+    """The error for an ``s3://`` prefix that is a split (``DEST/train``) of an unfinished ``fastio convert``
+    (:func:`~fastio.dataset.manifest.unfinished_split` of a local folder); None for any other."""
+    parent = url.rstrip("/").rpartition("/")[0]
+    if parent.count("/") >= 2 and unfinished_convert(open_storage(parent, options)):
+        return split_unfinished(url.rstrip("/"), parent)
+    return None
+
+
+def unfinished_convert(run: Storage) -> bool:
     """Whether the prefix ``run`` holds the marker of a ``fastio convert`` and neither a manifest nor a split list
     (its folders are the splits of an unfinished conversion)."""
     try:
