@@ -1310,3 +1310,26 @@ def test_a_split_of_an_unfinished_s3_conversion_is_not_indexed(aws_env, s3_bucke
                                      "convert (killed or stopped: .fastio-output without splits.json), not a "
                                      "dataset; run the same fastio convert again to finish it\n"), err
     assert sorted(o.key for o in run.list()) == before
+
+
+def test_the_dest_of_an_unfinished_split_conversion_is_not_indexed(aws_env, s3_bucket, tmp_path, capsys):
+    """Before: `fastio index run` of the DEST of a --split conversion that was killed (its marker, train/shards/, no
+    splits.json) indexed the unfinished split's shards into run/manifest.json, locally and on S3: a dataset of half a
+    split, which the rerun of the conversion then refused as 'already holds a converted dataset'. Now it is refused
+    naming the conversion to run again, and nothing is written."""
+    from fastio.storage import open_storage
+
+    marker = b"fastio convert output; complete once manifest.json or splits.json exists\n"
+    local, s3 = open_storage(tmp_path / "run"), open_storage(f"s3://{s3_bucket}/run")
+    for run in (local, s3):
+        if not run.remote:
+            (tmp_path / "run" / "train" / "shards").mkdir(parents=True)
+        run.put_bytes(".fastio-output", marker)
+        run.put_bytes("train/shards/shard-000000.tar", _tar(tmp_path / "0.tar"))
+        before = sorted(o.key for o in run.list())
+        for argv in (["index", str(run.url)], ["index", str(run.url), "--overwrite"]):
+            code, _, err = run_cli(argv, capsys)
+            assert code == 2 and err == (f"fastio: error: {run.url}: an unfinished fastio convert (killed or stopped: "
+                                         ".fastio-output without manifest.json), not a dataset; run the same fastio "
+                                         "convert again to finish it\n"), err
+        assert sorted(o.key for o in run.list()) == before

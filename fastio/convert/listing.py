@@ -20,8 +20,8 @@ from pathlib import Path
 
 from fastio.convert.foreign_tar import COMPRESSED
 from fastio.dataset.files import dest_child, dest_split_names, names_object
-from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR
-from fastio.errors import DatasetError
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME, unfinished_marked
+from fastio.errors import DatasetError, StorageError
 from fastio.formats.images import is_image_field
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
@@ -203,6 +203,7 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
             raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
         raise DatasetError(f"{source}: no such folder")
     _refuse_split_dest(source, options)
+    _refuse_unfinished_run(source, storage)
     own = owns_shards_dir(storage)
     if storage.remote:
         found, nested = _list_remote(storage, own)
@@ -262,6 +263,19 @@ def _refuse_split_dest(source: str, options) -> None:
         children = " or ".join(str(dest_child(source, name)) for name in splits)
         raise DatasetError(f"{source}: holds the splits {', '.join(splits)} of a fastio convert, each a dataset "
                            f"already: nothing to index; give {children} to the Loader, verify or inspect")
+
+
+def _refuse_unfinished_run(source: str, storage: Storage) -> None:
+    """DatasetError for a SOURCE holding a run's marker and neither a manifest nor a split list: an unfinished
+    conversion (or index), whose shards, in its split folders too, are part of its source only (the same run redoes
+    them); indexed, they would be a dataset of part of the data, which the rerun then refuses as one."""
+    if storage.exists(MANIFEST_NAME) or storage.exists(SPLITS_NAME):
+        return
+    try:
+        marker = storage.get(MARKER_NAME)[:64]  # a line fastio wrote
+    except StorageError:
+        return
+    raise unfinished_marked(source.rstrip("/") if storage.remote else source, marker)
 
 
 def _no_tars(source: str, keys: list[str], own_shards: bool, nested: list[str]) -> DatasetError:
