@@ -189,6 +189,21 @@ def test_a_failed_conversion_to_s3_leaves_nothing_under_the_prefix(tmp_path, cap
     assert _tree(staging) == {}
 
 
+def test_no_shard_is_uploaded_before_the_marker(tmp_path, capsys, aws_env, s3_bucket, fault_proxy, monkeypatch):
+    """Before: the upload of a conversion to s3:// put the marker (.fastio-output) in parallel with the shards, so a
+    run killed mid-upload could leave shards without marker or manifest: a prefix that `fastio verify` then calls
+    WebDataset tars to index (the shards of an unfinished conversion as a dataset), and that the rerun refuses as
+    not fastio output. Now the marker is stored first: here it is refused, and no shard is sent at all."""
+    source, _ = _files(tmp_path)
+    (source / "3.jpg").unlink()
+    fault_proxy.forbidden = {"/ds/.fastio-output"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL", fault_proxy.endpoint)
+    err = _fails(capsys, source, f"s3://{s3_bucket}/ds", "--max-samples-per-shard", "1", "--staging-dir",
+                 str(tmp_path / "staging"))
+    assert ".fastio-output" in err, err
+    assert not [ident for ident in fault_proxy._seen if ident.startswith("PUT ") and "/ds/shards/" in ident]
+
+
 def test_a_staging_dir_spelt_through_a_new_folder_and_dotdot_is_made_where_the_os_finds_it(tmp_path, capsys,
                                                                                             aws_env, s3_bucket):
     """``--staging-dir x/new/../st`` (``x/new`` missing) is ``x/st``, as DEST: no ``x/new`` is left behind."""

@@ -1239,9 +1239,97 @@ def test_a_split_dest_or_a_converted_dataset_is_not_indexed_again(image_folder, 
     assert code == 2 and err == (f"fastio: error: {ds / 'train'}: a fastio dataset already (its shards/ are its own): "
                                  "nothing to index; give it to the Loader, verify or inspect as it is\n"), err
     code, _, err = run_cli(["index", str(tmp_path / "out")], capsys)  # a folder holding converted datasets
-    assert code == 2 and err == f"fastio: error: {tmp_path / 'out'}: holds no .tar files\n", err
+    assert code == 2 and err == (f"fastio: error: {tmp_path / 'out'}: holds no .tar files but the fastio datasets "
+                                 f"ds/train, ds/val (their shards/ are their own): nothing to index; give "
+                                 f"{ds / 'train'} or {ds / 'val'} to the Loader, verify or inspect\n"), err
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
     (tmp_path / "mine").mkdir()
     shutil.copy(next((ds / "train" / "shards").glob("*.tar")), tmp_path / "mine" / "a.tar")
     (tmp_path / "mine" / "splits.json").write_text('{"my": "own file"}')  # not fastio's: the tars are indexed
     assert run_cli(["index", str(tmp_path / "mine"), "-q"], capsys)[0] == 0
+
+
+def test_datasets_below_an_s3_source_are_not_indexed_again(aws_env, s3_bucket, image_folder, tmp_path, capsys):
+    """Before: `fastio index s3://b/two` of a prefix holding the datasets train/ and val/ (each converted on its own,
+    no splits.json) entered their shards/ (a local folder does not): one dataset of train and val together, and
+    beside other tars, 6 shards of them indexed with the one of the user's. Now a prefix is listed as a folder is:
+    a fastio dataset's own shards/ are not entered at any depth, and a SOURCE holding only datasets names them."""
+    from fastio.storage import open_storage
+
+    local, url = tmp_path / "two", f"s3://{s3_bucket}/two"
+    for split in ("train", "val"):
+        for dest in (local / split, f"{url}/{split}"):
+            assert run_cli(["convert", str(image_folder), str(dest), "-q", "--max-samples-per-shard", "16"],
+                           capsys)[0] == 0
+    before = sorted(o.key for o in open_storage(url).list())
+    for source in (str(local), url, url + "/"):
+        shown = source.rstrip("/") if source == url + "/" else source
+        code, _, err = run_cli(["index", source], capsys)
+        assert code == 2 and err == (f"fastio: error: {source}: holds no .tar files but the fastio datasets train, "
+                                     f"val (their shards/ are their own): nothing to index; give {shown}/train or "
+                                     f"{shown}/val to the Loader, verify or inspect\n"), err
+    assert sorted(o.key for o in open_storage(url).list()) == before
+    _tar(local / "raw" / "0.tar")
+    open_storage(url).put_file("raw/0.tar", local / "raw" / "0.tar")
+    for source in (str(local), url):
+        code, out, err = run_cli(["index", source], capsys)
+        assert code == 0 and out.startswith("indexed 1 shard, 3 samples "), (source, out, err)
+    assert json.loads(open_storage(url).get("manifest.json"))["total_samples"] == 3
+
+
+def test_the_shards_folder_of_an_s3_dataset_is_not_indexed_into(aws_env, s3_bucket, image_folder, capsys):
+    """Before: `fastio index s3://b/ds/shards` (a converted dataset's own shards/) wrote a manifest, samples.fxi and
+    a marker among that dataset's shards, where a local ds/shards is refused. Now it is refused as locally."""
+    from fastio.storage import open_storage
+
+    url = f"s3://{s3_bucket}/ds"
+    assert run_cli(["convert", str(image_folder), url, "-q", "--max-samples-per-shard", "16"], capsys)[0] == 0
+    before = sorted(o.key for o in open_storage(url).list())
+    for source, extra in ((f"{url}/shards", ()), (f"{url}/shards/", ()), (f"{url}/shards", ("--overwrite",)),
+                          (f"{url}/shards/shard-{{000000..000002}}.tar", ("--dest", f"{url}/shards"))):
+        code, _, err = run_cli(["index", source, *extra], capsys)
+        assert code == 2 and err == (f"fastio: error: {url}/shards: the shards/ folder of the dataset {url}: an index "
+                                     "here would add files to that dataset; it is read as it is (give the dataset's "
+                                     "folder), or index these shards into another folder (--dest)\n"), (source, err)
+    assert sorted(o.key for o in open_storage(url).list()) == before
+
+
+def test_a_split_of_an_unfinished_s3_conversion_is_not_indexed(aws_env, s3_bucket, tmp_path, capsys):
+    """Before: `fastio index s3://b/run/train`, a split of a --split conversion killed mid-upload (run/.fastio-output,
+    run/train/shards/, no splits.json), indexed its shards as a dataset in place, where a local run/train is refused
+    naming the conversion to run again. Now the same refusal, and nothing is written."""
+    from fastio.storage import open_storage
+
+    run = open_storage(f"s3://{s3_bucket}/run")
+    run.put_bytes(".fastio-output", b"fastio convert output; complete once manifest.json or splits.json exists\n")
+    run.put_bytes("train/shards/shard-000000.tar", _tar(tmp_path / "0.tar"))
+    before = sorted(o.key for o in run.list())
+    for argv in (["index", f"{run.url}/train"], ["index", f"{run.url}/train/", "--overwrite"]):
+        code, _, err = run_cli(argv, capsys)
+        assert code == 2 and err == (f"fastio: error: {run.url}/train: a split of {run.url}: an unfinished fastio "
+                                     "convert (killed or stopped: .fastio-output without splits.json), not a "
+                                     "dataset; run the same fastio convert again to finish it\n"), err
+    assert sorted(o.key for o in run.list()) == before
+
+
+def test_the_dest_of_an_unfinished_split_conversion_is_not_indexed(aws_env, s3_bucket, tmp_path, capsys):
+    """Before: `fastio index run` of the DEST of a --split conversion that was killed (its marker, train/shards/, no
+    splits.json) indexed the unfinished split's shards into run/manifest.json, locally and on S3: a dataset of half a
+    split, which the rerun of the conversion then refused as 'already holds a converted dataset'. Now it is refused
+    naming the conversion to run again, and nothing is written."""
+    from fastio.storage import open_storage
+
+    marker = b"fastio convert output; complete once manifest.json or splits.json exists\n"
+    local, s3 = open_storage(tmp_path / "run"), open_storage(f"s3://{s3_bucket}/run")
+    for run in (local, s3):
+        if not run.remote:
+            (tmp_path / "run" / "train" / "shards").mkdir(parents=True)
+        run.put_bytes(".fastio-output", marker)
+        run.put_bytes("train/shards/shard-000000.tar", _tar(tmp_path / "0.tar"))
+        before = sorted(o.key for o in run.list())
+        for argv in (["index", str(run.url)], ["index", str(run.url), "--overwrite"]):
+            code, _, err = run_cli(argv, capsys)
+            assert code == 2 and err == (f"fastio: error: {run.url}: an unfinished fastio convert (killed or stopped: "
+                                         ".fastio-output without manifest.json), not a dataset; run the same fastio "
+                                         "convert again to finish it\n"), err
+        assert sorted(o.key for o in run.list()) == before

@@ -75,6 +75,20 @@ def test_object_operations_round_trip(moto_server, s3_bucket, tmp_path):
     assert not st.exists("a.bin")
 
 
+def test_a_limited_listing_is_the_first_objects_by_key(moto_server, s3_bucket, tmp_path):
+    """``list(limit=N)`` (what a missing manifest's message looks at: a few objects of a prefix that may hold
+    millions) is the first N of the whole listing, across the client's batches of 50, locally too."""
+    keys = [f"k{i:03d}" for i in range(60, 0, -1)] + ["sub/a.tar"]
+    for st in (open_storage(f"s3://{s3_bucket}/many", moto_server.options()), open_storage(tmp_path / "many")):
+        for key in keys:
+            st.put_bytes(key, key.encode())
+        everything = st.list()
+        assert [o.key for o in everything] == sorted(keys)
+        for limit in (0, 3, 55, 61, 100):
+            assert st.list(limit=limit) == everything[:limit], (st.url, limit)
+        assert [o.key for o in st.list("sub/", limit=1)] == ["sub/a.tar"]
+
+
 def test_missing_and_forbidden_fail_at_once_naming_the_url(moto_server, s3_bucket, fault_proxy):
     st = open_storage(f"s3://{s3_bucket}/p", moto_server.options(fault_proxy.endpoint, backoff_s=0.5))
     t = time.monotonic()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 
 import pytest
 from helpers import run_cli
@@ -136,3 +137,83 @@ def test_verify_with_no_room_for_a_download_is_one_line(aws_env, s3_bucket, imag
     assert code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"fastio: error: {url}/shards/shard-000000.tar: cannot download into ") and \
         err.endswith(": File too large\n"), err
+
+
+def test_unindexed_tars_and_a_dataset_file_on_s3_are_named_as_locally(aws_env, s3_bucket, image_folder, tmp_path,
+                                                                    capsys):
+    """Before: `fastio verify|inspect s3://b/wds` of WebDataset tars without a manifest said 'not a fastio dataset (no
+    manifest.json; an interrupted conversion?)' where a local folder of them says to run `fastio index`; and the URL of
+    a dataset's manifest (s3://b/ds/manifest.json), of its splits.json or of one of its shards said the same where a
+    local path names its dataset. Now each says what a local path says, naming the URL (a few objects listed)."""
+    import io
+    import tarfile
+
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo("k0.jpg")
+        tar.addfile(info, io.BytesIO(b""))
+    wds, local = open_storage(f"s3://{s3_bucket}/wds"), tmp_path / "wds"
+    local.mkdir()
+    for i in range(3):
+        wds.put_bytes(f"{i:05d}.tar", data.getvalue())
+        (local / f"{i:05d}.tar").write_bytes(data.getvalue())
+    for dest in (str(local), wds.url, wds.url + "/"):
+        said = (f"fastio: error: {dest.rstrip('/')}: tar shards without a manifest.json, not yet a dataset: make it "
+                f"one with `fastio index {dest.rstrip('/')}`\n")
+        for command in ("verify", "inspect"):
+            assert run_cli([command, dest], capsys)[1:] == ("", said), (command, dest)
+    with pytest.raises(DatasetError, match=re.escape(f"fastio index {wds.url}`")):
+        Loader(wds.url, batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    for folder in (str(local), wds.url):  # what other loaders take: a brace pattern, a glob; Megatron pairs
+        for given, command in ((f"{folder}/{{00000..00002}}.tar", f"'{folder}/{{00000..00002}}.tar'"),
+                               (f"{folder}/*.tar", folder)):
+            said = (f"fastio: error: {given}: a pattern of tar shards, not a dataset: a dataset is a folder; make "
+                    f"its shards one with `fastio index {command}`, then give {folder}\n")
+            assert run_cli(["verify", given], capsys)[1:] == ("", said), given
+    mg, local_mg = open_storage(f"s3://{s3_bucket}/mg"), tmp_path / "mg"
+    local_mg.mkdir()
+    for name in ("web_text_document.bin", "web_text_document.idx"):
+        mg.put_bytes(name, b"\0" * 16)
+        (local_mg / name).write_bytes(b"\0" * 16)
+    for folder in (str(local_mg), mg.url):
+        said = (f"fastio: error: {folder}: a folder of Megatron .bin/.idx pairs without a manifest.json, not yet a "
+                f"dataset: make it one with `fastio index {folder} --eos-id N` (N: the id that ends every document), "
+                "then give that folder\n")
+        assert run_cli(["inspect", folder], capsys)[1:] == ("", said), folder
+    url, split = f"s3://{s3_bucket}/ds", f"s3://{s3_bucket}/split"
+    assert run_cli(["convert", str(image_folder), url, "--max-samples-per-shard", "16", "-q"], capsys)[0] == 0
+    assert run_cli(["convert", str(image_folder), split, "--split", "val=0.25", "-q"], capsys)[0] == 0
+    local_ds = tmp_path / "ds"
+    assert run_cli(["convert", str(image_folder), str(local_ds), "-q"], capsys)[0] == 0
+    for given, what, dataset in ((f"{url}/manifest.json", "file", url),
+                                 (f"{url}/shards/shard-000001.tar", "shard", url),
+                                 (f"{url}/shards", "folder", url),  # said to run `fastio index`, which refuses it
+                                 (f"{local_ds}/shards", "folder", local_ds),
+                                 (f"{split}/splits.json", "file", split),
+                                 (f"{split}/val/manifest.json", "file", f"{split}/val")):
+        said = f"fastio: error: {given}: a {what} of the dataset {dataset}: give the dataset folder\n"
+        for command in ("verify", "inspect"):
+            assert run_cli([command, given], capsys)[1:] == ("", said), (command, given)
+    with pytest.raises(DatasetError, match=re.escape(f"a file of the dataset {url}: give the dataset folder")):
+        Loader(f"{url}/manifest.json", batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    code, _, err = run_cli(["index", f"{url}/manifest.json"], capsys)  # said "holds no .tar files"
+    assert code == 2 and err == (f"fastio: error: {url}/manifest.json: an object, not a prefix: give the prefix "
+                                 "holding the shards, or a brace pattern\n"), err
+    for run, marker in (("fastio convert", b"fastio convert output; complete once manifest.json or splits.json "
+                                           b"exists\n"),
+                        ("fastio index", b"fastio index output; complete once manifest.json exists\n")):
+        killed = open_storage(f"s3://{s3_bucket}/killed-{run[7:]}")  # a run killed mid-upload: its marker, shards
+        killed.put_bytes(".fastio-output", marker)
+        killed.put_bytes("shards/shard-000000.tar", data.getvalue())
+        said = (f"fastio: error: {killed.url}: an unfinished {run} (killed or stopped: .fastio-output without "
+                f"manifest.json), not a dataset; run the same {run} again to finish it\n")
+        assert run_cli(["verify", killed.url], capsys)[1:] == ("", said)
+    run = open_storage(f"s3://{s3_bucket}/killed-split")  # a --split conversion killed mid-upload: not a source
+    run.put_bytes(".fastio-output", b"fastio convert output; complete once manifest.json or splits.json exists\n")
+    run.put_bytes("train/shards/shard-000000.tar", data.getvalue())
+    said = (f"fastio: error: {run.url}/train: a split of {run.url}: an unfinished fastio convert (killed or stopped: "
+            ".fastio-output without splits.json), not a dataset; run the same fastio convert again to finish it\n")
+    assert run_cli(["verify", f"{run.url}/train"], capsys)[1:] == ("", said)
+    code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)  # nothing there: as before
+    assert code == 2 and err == f"fastio: error: s3://{s3_bucket}/nothing: not a fastio dataset (no manifest.json; " \
+                                "an interrupted conversion?)\n"

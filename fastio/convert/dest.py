@@ -34,6 +34,7 @@ from typing import TypeVar
 
 from fastio.convert.listing import display_of, owns_shards_dir
 from fastio.convert.parts import PART_RECORD, PARTS_DIR, parse_part_dir
+from fastio.dataset.files import unfinished_split_of
 from fastio.dataset.manifest import (
     FORMAT,
     MANIFEST_NAME,
@@ -247,26 +248,28 @@ def lock_parts(dest: Path) -> list[DirLock]:
 
 
 def refuse_a_datasets_shards(dest: Storage) -> None:
-    """DatasetError where a local DEST of ``fastio index`` is the ``shards/`` folder of a dataset (beside its
-    manifest, :func:`~fastio.convert.listing.owns_shards_dir`): the index would put its own manifest and tables among
-    that dataset's files, and ``fastio verify`` of it would then fail. Whatever ``overwrite`` says: it is another
-    dataset's folder."""
+    """DatasetError where a DEST of ``fastio index`` (a folder or an ``s3://`` prefix) is the ``shards/`` folder of a
+    dataset (beside its manifest, :func:`~fastio.convert.listing.owns_shards_dir`): the index would put its own
+    manifest and tables among that dataset's files, and ``fastio verify`` of it would then fail. Whatever
+    ``overwrite`` says: it is another dataset's folder."""
     if dest.remote:
-        return
-    path = dest.location.path
-    real = Path(os.path.realpath(path))
-    if real.name == SHARDS_DIR and owns_shards_dir(open_storage(real.parent)):
-        raise DatasetError(f"{path}: the {SHARDS_DIR}/ folder of the dataset {path.parent}: an index here would add "
+        shown, (parent, _, name) = dest.url, dest.url.rstrip("/").rpartition("/")
+        owner = open_storage(parent, dest.options) if name == SHARDS_DIR and parent.count("/") >= 2 else None
+    else:
+        path, real = dest.location.path, Path(os.path.realpath(dest.location.path))
+        shown, parent = path, path.parent
+        owner = open_storage(real.parent) if real.name == SHARDS_DIR else None
+    if owner is not None and owns_shards_dir(owner):
+        raise DatasetError(f"{shown}: the {SHARDS_DIR}/ folder of the dataset {parent}: an index here would add "
                            "files to that dataset; it is read as it is (give the dataset's folder), or index these "
                            "shards into another folder (--dest)")
 
 
 def refuse_a_split_of_an_unfinished_convert(folder: Storage) -> None:
-    """DatasetError where a local folder ``fastio index`` would read or write is a split folder (``DEST/train``) of an
-    unfinished ``fastio convert``: its shards are part of the source only, and the same convert redoes them."""
-    if folder.remote:
-        return
-    err = unfinished_split(folder.location.path)
+    """DatasetError where a folder (or ``s3://`` prefix) ``fastio index`` would read or write is a split folder
+    (``DEST/train``) of an unfinished ``fastio convert``: its shards are part of the source only, and the same
+    convert redoes them."""
+    err = unfinished_split_of(folder.url, folder.options) if folder.remote else unfinished_split(folder.location.path)
     if err is not None:
         raise err
 
@@ -449,10 +452,12 @@ def _own_staging(staging: Path, dest: str) -> Path:
 
 
 def _publish(storage: Storage, local: Path, guard: Callable[[], None]) -> list[str]:
-    """Upload the dataset in ``local``, each manifest after the shards, ``splits.json`` last; the keys."""
+    """Upload the dataset in ``local``: the run's marker first (no shard is ever under DEST without it: a run killed
+    mid-upload leaves an unfinished conversion, which its rerun replaces), each manifest after the shards,
+    ``splits.json`` last; the keys."""
     splits = sorted(p.parent.name for p in local.glob(f"*/{MANIFEST_NAME}"))
     last = tuple(f"{split}/{MANIFEST_NAME}" for split in splits) + (MANIFEST_NAME, SPLITS_NAME)
-    return storage.publish_dir(local, keys_last=last, before_last=guard)
+    return storage.publish_dir(local, keys_last=last, before_last=guard, keys_first=(MARKER_NAME,))
 
 
 def _take_back_uploads(storage: Storage, local: Path, before: set[str], guard: Callable[[], None]) -> None:

@@ -19,13 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from fastio.convert.foreign_tar import COMPRESSED
-from fastio.dataset.files import dest_child, dest_split_names
-from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR
-from fastio.errors import DatasetError
+from fastio.dataset.files import dest_child, dest_split_names, names_object
+from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME, unfinished_marked
+from fastio.errors import DatasetError, StorageError
 from fastio.formats.images import is_image_field
 from fastio.storage import open_storage
 from fastio.storage.base import Storage
 from fastio.storage.options import StorageOptions
+from fastio.words import agree
 
 __all__ = ["MAX_PATTERN_NAMES", "ListedShard", "display_of", "expand_braces", "list_shards", "owns_shards_dir",
            "paths_pattern"]
@@ -34,6 +35,7 @@ _COMPRESSED_SUFFIXES = (".tar.gz", ".tgz", ".tar.zst", ".tar.zstd", ".tar.bz2", 
 _INT_RANGE = re.compile(r"^(-?\d+)\.\.(-?\d+)(?:\.\.-?(\d+))?$")
 _CHAR_RANGE = re.compile(r"^([A-Za-z])\.\.([A-Za-z])(?:\.\.-?(\d+))?$")
 _LETTERS = string.ascii_uppercase + string.ascii_lowercase
+_NAMED = 3  # the datasets below a SOURCE a refusal names
 
 
 @dataclass
@@ -201,16 +203,18 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
             raise DatasetError(glob.replace(": fastio", ": no such folder; fastio", 1))
         raise DatasetError(f"{source}: no such folder")
     _refuse_split_dest(source, options)
+    _refuse_unfinished_run(source, storage)
     own = owns_shards_dir(storage)
     if storage.remote:
-        found, skipped = [(o.key, o.size) for o in storage.list("") if _listed(o.key, own)], []
+        found, nested = _list_remote(storage, own)
+        skipped = []
         if not found and any(c in source for c in "*?["):
             raise DatasetError(glob)
-        if not found and source.endswith(".tar"):
+        if not found and (source.endswith(".tar") or names_object(source, options)):
             raise DatasetError(f"{source}: an object, not a prefix: give the prefix holding the shards, or a brace "
                                "pattern")
     else:
-        found, skipped = _walk_local(storage.location.path, own)
+        found, skipped, nested = _walk_local(storage.location.path, own)
     shards = []
     for key, size in found:
         s = ListedShard(display_of(storage, key), storage, key, size)
@@ -218,8 +222,34 @@ def _folder_listing(source: str, options) -> tuple[Storage, list[ListedShard], l
         if key.lower().endswith(".tar"):
             shards.append(s)
     if not shards:
-        raise _no_tars(source, [key for key, _ in found], own)
+        raise _no_tars(source, [key for key, _ in found], own, nested)
     return storage, shards, skipped
+
+
+def _list_remote(storage: Storage, own_shards: bool) -> tuple[list[tuple[str, int | None]], list[str]]:
+    """(key, size) of the objects below a prefix that a listing looks at (:func:`_listed`, and not in the own
+    ``shards/`` of a fastio dataset below it, as :func:`_walk_local` does not enter them), sorted by key; and those
+    datasets."""
+    listed = storage.list("")
+    nested = _datasets_below(storage, [o.key for o in listed])
+    return [(o.key, o.size) for o in listed if _listed(o.key, own_shards) and not _in_shards_of(o.key, nested)], nested
+
+
+def _datasets_below(storage: Storage, keys: list[str]) -> list[str]:
+    """The folders below a prefix (``keys``: its listing) that are fastio datasets owning their ``shards/``
+    (:func:`owns_shards_dir`), as a local walk finds them (none in a hidden folder): only a folder listed with a
+    ``shards/`` and a marker or manifest beside it is asked (a user's folders named ``shards`` cost no request)."""
+    listed = set(keys)
+    candidates = {"/".join(parts[:i]) for parts in (k.split("/") for k in keys)
+                  for i in range(1, len(parts) - 1) if parts[i] == SHARDS_DIR}
+    return [folder for folder in sorted(candidates)
+            if _listed(folder, False) and {f"{folder}/{MARKER_NAME}", f"{folder}/{MANIFEST_NAME}"} & listed
+            and owns_shards_dir(storage.child(folder))]
+
+
+def _in_shards_of(key: str, datasets: list[str]) -> bool:
+    """Whether ``key`` lies in the own ``shards/`` of one of ``datasets`` (folders below the listed prefix)."""
+    return any(key.startswith(f"{folder}/{SHARDS_DIR}/") for folder in datasets)
 
 
 def _refuse_split_dest(source: str, options) -> None:
@@ -235,9 +265,23 @@ def _refuse_split_dest(source: str, options) -> None:
                            f"already: nothing to index; give {children} to the Loader, verify or inspect")
 
 
-def _no_tars(source: str, keys: list[str], own_shards: bool) -> DatasetError:
+def _refuse_unfinished_run(source: str, storage: Storage) -> None:
+    """DatasetError for a SOURCE holding a run's marker and neither a manifest nor a split list: an unfinished
+    conversion (or index), whose shards, in its split folders too, are part of its source only (the same run redoes
+    them); indexed, they would be a dataset of part of the data, which the rerun then refuses as one."""
+    if storage.exists(MANIFEST_NAME) or storage.exists(SPLITS_NAME):
+        return
+    try:
+        marker = storage.get(MARKER_NAME)[:64]  # a line fastio wrote
+    except StorageError:
+        return
+    raise unfinished_marked(source.rstrip("/") if storage.remote else source, marker)
+
+
+def _no_tars(source: str, keys: list[str], own_shards: bool, nested: list[str]) -> DatasetError:
     """The refusal of a SOURCE without tars: one of Megatron pairs (directly in it) is named as such, with the
-    option that indexes them; a fastio dataset (its own ``shards/`` not looked at) as one already."""
+    option that indexes them; a fastio dataset (its own ``shards/`` not looked at) as one already, and a folder of
+    them (``nested``: the datasets below SOURCE whose ``shards/`` were not entered) naming them."""
     names = {k for k in keys if "/" not in k}
     pairs = sum(1 for k in names if k.endswith(".bin") and k[:-len(".bin")] + ".idx" in names)
     if pairs:
@@ -246,6 +290,12 @@ def _no_tars(source: str, keys: list[str], own_shards: bool) -> DatasetError:
     if own_shards:
         return DatasetError(f"{source}: a fastio dataset already (its shards/ are its own): nothing to index; give it "
                             "to the Loader, verify or inspect as it is")
+    if nested:
+        shown = nested if len(nested) <= _NAMED else [*nested[:_NAMED], f"{len(nested) - _NAMED} more"]
+        children = " or ".join(str(dest_child(source, name)) for name in nested[:_NAMED])
+        return DatasetError(f"{source}: holds no .tar files but the fastio {agree(len(nested), 'dataset')} "
+                            f"{', '.join(shown)} ({agree(len(nested), 'its shards/ are its', 'their shards/ are their')}"
+                            f" own): nothing to index; give {children} to the Loader, verify or inspect")
     if any(is_image_field(key.rsplit("/", 1)[-1]) for key in keys if "." in key.rsplit("/", 1)[-1]):
         return DatasetError(f"{source}: holds no .tar files but images: a folder of images is converted, not indexed: "
                             f"`fastio convert {shlex.quote(source)} DEST`")
@@ -275,13 +325,16 @@ def _listed(key: str, own_shards: bool) -> bool:
     return not any(p.startswith(".") for p in key.split("/")) and not (own_shards and key.split("/")[0] == SHARDS_DIR)
 
 
-def _walk_local(root: Path, own_shards: bool) -> tuple[list[tuple[str, int | None]], list[dict[str, str]]]:
-    """(key, size) of the files below ``root`` that a listing looks at (:func:`_listed`), sorted by key, and what
-    it passed over with reasons. A link to a file is followed; each ``*.tar`` must be a regular file once links
-    are followed (:func:`_local_tar`: a broken link, a FIFO, a device or a folder is refused); a link to a folder
-    is not followed (no loops, nothing reached twice), nor is a broken link of another name: both are listed."""
+def _walk_local(root: Path, own_shards: bool
+                ) -> tuple[list[tuple[str, int | None]], list[dict[str, str]], list[str]]:
+    """(key, size) of the files below ``root`` that a listing looks at (:func:`_listed`), sorted by key, what
+    it passed over with reasons, and the fastio datasets below ``root`` whose own ``shards/`` it did not enter.
+    A link to a file is followed; each ``*.tar`` must be a regular file once links are followed
+    (:func:`_local_tar`: a broken link, a FIFO, a device or a folder is refused); a link to a folder is not
+    followed (no loops, nothing reached twice), nor is a broken link of another name: both are listed."""
     found: list[tuple[str, int | None]] = []
     skipped: list[dict[str, str]] = []
+    nested: list[str] = []
 
     def visit(folder: str, prefix: str) -> None:
         for entry in sorted(os.scandir(folder), key=lambda e: e.name):
@@ -292,6 +345,7 @@ def _walk_local(root: Path, own_shards: bool) -> tuple[list[tuple[str, int | Non
                 found.append((key, _local_tar(display)))
             elif entry.is_dir(follow_symlinks=False):
                 if prefix and entry.name == SHARDS_DIR and owns_shards_dir(open_storage(folder)):
+                    nested.append(prefix.rstrip("/"))
                     continue  # a fastio dataset below SOURCE: its own shards (SOURCE's own: _listed)
                 visit(entry.path, key + "/")
             elif entry.is_symlink() and not os.path.isfile(entry.path):
@@ -301,7 +355,7 @@ def _walk_local(root: Path, own_shards: bool) -> tuple[list[tuple[str, int | Non
                 found.append((key, None))  # looked at for its name only (a compressed tar is refused)
 
     visit(str(root), "")
-    return sorted(found), skipped
+    return sorted(found), skipped, sorted(nested)
 
 
 def _local_tar(path: str, named_by: str = "") -> int:

@@ -16,14 +16,26 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from fastio.dataset.manifest import (
+    LOOK_AT,
     MANIFEST_NAME,
+    MARKER_NAME,
     SHARDS_DIR,
     SPLITS_NAME,
     IndexRecord,
     Manifest,
     ShardRecord,
+    file_not_dataset,
+    file_of_dataset,
+    holds_of,
+    holds_pairs,
     load_manifest,
+    pairs_not_dataset,
+    shard_pattern,
     split_names,
+    split_unfinished,
+    tar_not_dataset,
+    tars_not_dataset,
+    unfinished_marked,
 )
 from fastio.errors import DatasetError, StorageError
 from fastio.storage.base import Storage, open_storage
@@ -32,8 +44,8 @@ from fastio.storage.options import StorageOptions
 from fastio.storage.url import local_or_url
 from fastio.words import count
 
-__all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "no_manifest",
-           "open_files"]
+__all__ = ["DatasetFiles", "LocalFiles", "RemoteFiles", "dest_child", "dest_split_names", "names_object", "no_manifest",
+           "open_files", "unfinished_split_of"]
 
 
 class DatasetFiles:
@@ -127,9 +139,11 @@ class LocalFiles(DatasetFiles):
 
 
 def no_manifest(url: str, storage: Storage) -> DatasetError:
-    """The error for a DEST on an object store (``storage``) whose manifest is missing: its bucket does not
-    exist (asked with one GET of a key that is never there: S3 names ``NoSuchBucket`` in the body), or it is not
-    a fastio dataset."""
+    """The error for a DEST ``url`` on an object store (``storage``: its client's options) whose manifest is
+    missing, as :func:`~fastio.dataset.manifest.not_a_dataset` says it of a local path: its bucket does not exist
+    (asked with one GET of a key that is never there: S3 names ``NoSuchBucket`` in the body), the URL is an object
+    (a dataset's file: the dataset named), the prefix holds tar shards (the first objects listed: the command that
+    makes it a dataset), or it is not a fastio dataset."""
     bucket = url.split("/", 3)[2] if url.startswith("s3://") else None
     if bucket:
         try:
@@ -137,7 +151,75 @@ def no_manifest(url: str, storage: Storage) -> DatasetError:
         except StorageError as err:
             if "NoSuchBucket" in str(err):
                 return DatasetError(f"{url}: no such bucket {bucket!r} (at this endpoint)")
-    return DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+    options = storage.options
+    return (shard_pattern(url, lambda folder: open_storage(folder, options).exists(MANIFEST_NAME))
+            or _object_not_dataset(url, options) or _prefix_not_dataset(url, options)
+            or DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)"))
+
+
+def names_object(url: str, options: StorageOptions | dict | None) -> bool:
+    """Whether the ``s3://`` URL names an object (a dataset's ``manifest.json``), not a prefix: one HEAD."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    return bool(name) and parent.count("/") >= 2 and open_storage(parent, options).exists(name)
+
+
+def _object_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
+    """The error for a URL that names an object (:func:`names_object`), not a prefix: a file of the dataset beside
+    it (or above its ``shards/``), a tar shard of none, or another file; None where no such object exists."""
+    if not names_object(url, options):
+        return None
+    parent = url.rstrip("/").rpartition("/")[0]
+    owners = (parent, parent.rpartition("/")[0]) if parent.endswith(f"/{SHARDS_DIR}") else (parent,)
+    for owner in owners:
+        folder = open_storage(owner, options)
+        if folder.exists(MANIFEST_NAME) or folder.exists(SPLITS_NAME):
+            return file_of_dataset(url, owner)
+    return tar_not_dataset(url, parent) if url.rstrip("/").lower().endswith(".tar") else file_not_dataset(url)
+
+
+def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
+    """The error for a dataset's ``shards/`` prefix (naming the dataset), a prefix holding a run's marker (an
+    unfinished run: its shards are not a source), Megatron pairs (directly in it) or tar shards (in it or one
+    folder below, as a local folder is looked at); None for any other. Lists the first
+    :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    if name == SHARDS_DIR and parent.count("/") >= 2 and open_storage(parent, options).exists(MANIFEST_NAME):
+        return file_of_dataset(url, parent, "folder")  # not `fastio index`: it refuses that folder
+    storage = open_storage(url, options)
+    keys = [o.key for o in storage.list("", limit=LOOK_AT)]
+    if MARKER_NAME in keys:
+        try:
+            return unfinished_marked(url, storage.get(MARKER_NAME)[:64])  # a line fastio wrote
+        except StorageError:  # deleted since it was listed (the run's cleanup): what else is there is no source
+            return None
+    pairs = holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")})
+    tars = "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1])
+    if pairs or tars:
+        unfinished = unfinished_split_of(url, options)  # its shards are part of the source only: not `fastio index`
+        if unfinished is not None:
+            return unfinished
+    if pairs:
+        return pairs_not_dataset(url, url, "a folder of Megatron .bin/.idx pairs")
+    return tars_not_dataset(url) if tars else None
+
+
+def unfinished_split_of(url: str, options: StorageOptions | dict | None) -> DatasetError | None:
+    """The error for an ``s3://`` prefix that is a split (``DEST/train``) of an unfinished ``fastio convert``
+    (:func:`~fastio.dataset.manifest.unfinished_split` of a local folder); None for any other."""
+    parent = url.rstrip("/").rpartition("/")[0]
+    if parent.count("/") >= 2 and unfinished_convert(open_storage(parent, options)):
+        return split_unfinished(url.rstrip("/"), parent)
+    return None
+
+
+def unfinished_convert(run: Storage) -> bool:
+    """Whether the prefix ``run`` holds the marker of a ``fastio convert`` and neither a manifest nor a split list
+    (its folders are the splits of an unfinished conversion)."""
+    try:
+        marker = run.get(MARKER_NAME)[:64]
+    except StorageError:
+        return False
+    return marker.startswith(b"fastio convert") and not run.exists(MANIFEST_NAME) and not run.exists(SPLITS_NAME)
 
 
 class RemoteFiles(DatasetFiles):

@@ -14,7 +14,7 @@ import json
 import os
 import re
 import shlex
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -31,6 +31,17 @@ from fastio.storage.atomic import atomic_write_bytes
 from fastio.words import agree
 
 __all__ = [
+    "split_unfinished",
+    "unfinished_marked",
+    "shard_pattern",
+    "pairs_not_dataset",
+    "holds_pairs",
+    "LOOK_AT",
+    "tars_not_dataset",
+    "tar_not_dataset",
+    "holds_of",
+    "file_not_dataset",
+    "file_of_dataset",
     "FORMAT",
     "fastio_json",
     "ChatInfo",
@@ -609,7 +620,8 @@ def write_manifest(dest: Path, manifest: Manifest) -> None:
     atomic_write_bytes(path, manifest.to_json())
 
 
-_LOOK_AT = 2000  # entries of a folder looked at to tell what it holds
+LOOK_AT = 2000
+"""Entries of a folder (or objects below a prefix) looked at to tell what it holds."""
 
 
 def not_a_dataset(dest: Path) -> DatasetError:
@@ -619,31 +631,27 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if dest.is_file():
         owner = _dataset_of_file(dest)
         if owner is not None:
-            what = "shard" if dest.suffix.lower() in (".tar", ".bin", ".idx") else "file"
-            return DatasetError(f"{dest}: a {what} of the dataset {owner}: give the dataset folder")
+            return file_of_dataset(dest, owner)
         if dest.suffix.lower() == ".tar":
-            return DatasetError(f"{dest}: a tar shard, not a dataset: a dataset is a folder; make the folder of "
-                                f"shards one with `fastio index {shlex.quote(str(dest.parent))}`, then give that folder")
+            return tar_not_dataset(dest, dest.parent)
+    if dest.name == SHARDS_DIR and dest.is_dir() and (dest.parent / MANIFEST_NAME).is_file():
+        return file_of_dataset(dest, dest.parent, "folder")  # not `fastio index`: it refuses that folder
     pairs = _megatron_folder(dest)
     if pairs is not None and not (dest / MARKER_NAME).is_file():
         what = "a folder of Megatron .bin/.idx pairs" if pairs == dest else (
             "a file of a Megatron .bin/.idx pair" if dest.is_file() else "a Megatron data prefix")
-        return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
-                            f"{'it' if pairs == dest else 'its folder'} one with "
-                            f"`fastio index {shlex.quote(str(pairs))} --eos-id N` "
-                            "(N: the id that ends every document), then give that folder")
+        return pairs_not_dataset(dest, pairs, what)
     if dest.is_file():
-        return DatasetError(f"{dest}: a file, not a dataset: a dataset is a folder made by `fastio convert` "
-                            "or `fastio index`")
+        return file_not_dataset(dest)
     if not dest.is_dir():
-        return _shard_pattern(dest) or DatasetError(f"{dest}: no such dataset directory{_nearest(dest)}")
+        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or DatasetError(
+            f"{dest}: no such dataset directory{_nearest(dest)}")
     unfinished = unfinished_run(dest)
     if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
         return unfinished
     holds = _holds(dest)
     if "tar" in holds:
-        return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
-                            f"`fastio index {shlex.quote(str(dest))}`")
+        return tars_not_dataset(dest)
     if "image" in holds:
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with "
                             f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
@@ -651,6 +659,45 @@ def not_a_dataset(dest: Path) -> DatasetError:
         return DatasetError(f"{dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
                             "`fastio index` made")
     return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def file_of_dataset(given: str | Path, owner: str | Path, what: str | None = None) -> DatasetError:
+    """The error for a file of a dataset (its manifest, a shard; or ``what`` else: its ``shards/`` folder) given
+    where the dataset is wanted: names it."""
+    what = what or ("shard" if str(given).lower().endswith((".tar", ".bin", ".idx")) else "file")
+    return DatasetError(f"{given}: a {what} of the dataset {owner}: give the dataset folder")
+
+
+def tar_not_dataset(given: str | Path, folder: str | Path) -> DatasetError:
+    """The error for one tar shard (of no dataset) given as a dataset: the command that makes its folder one."""
+    return DatasetError(f"{given}: a tar shard, not a dataset: a dataset is a folder; make the folder of shards one "
+                        f"with `fastio index {shlex.quote(str(folder))}`, then give that folder")
+
+
+def file_not_dataset(given: str | Path) -> DatasetError:
+    """The error for a file (of no dataset, not a tar) given as a dataset."""
+    return DatasetError(f"{given}: a file, not a dataset: a dataset is a folder made by `fastio convert` or "
+                        "`fastio index`")
+
+
+def pairs_not_dataset(dest: str | Path, pairs: str | Path, what: str) -> DatasetError:
+    """The error for Megatron ``.bin``/``.idx`` pairs without a manifest (``what`` ``dest`` is: their folder, a
+    pair's file, a data prefix): the command that makes their folder ``pairs`` a token dataset."""
+    return DatasetError(f"{dest}: {what} without a {MANIFEST_NAME}, not yet a dataset: make "
+                        f"{'it' if pairs == dest else 'its folder'} one with "
+                        f"`fastio index {shlex.quote(str(pairs))} --eos-id N` "
+                        "(N: the id that ends every document), then give that folder")
+
+
+def holds_pairs(names: Collection[str]) -> bool:
+    """Whether a folder of these (not hidden) names holds a Megatron pair: ``X.bin`` beside ``X.idx``."""
+    return any(n.endswith(".bin") and f"{n[:-4]}.idx" in names for n in names)
+
+
+def tars_not_dataset(dest: str | Path) -> DatasetError:
+    """The error for a folder (or prefix) of tar shards without a manifest: the command that makes it a dataset."""
+    return DatasetError(f"{dest}: tar shards without a {MANIFEST_NAME}, not yet a dataset: make it one with "
+                        f"`fastio index {shlex.quote(str(dest))}`")
 
 
 def unfinished_run(dest: Path) -> DatasetError | None:
@@ -665,10 +712,16 @@ def unfinished_run(dest: Path) -> DatasetError | None:
         return DatasetError(f"{dest}: parts of a --part K/N run ({PARTS_DIR}/), not merged yet, not a dataset; "
                             f"merge them with `fastio merge {dest}`")
     if (dest / MARKER_NAME).is_file():
-        what = "fastio index" if _read_head(dest / MARKER_NAME).startswith(b"fastio index") else "fastio convert"
-        return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without "
-                            f"{MANIFEST_NAME}), not a dataset; run the same {what} again to finish it")
+        return unfinished_marked(dest, _read_head(dest / MARKER_NAME))
     return unfinished_split(dest)
+
+
+def unfinished_marked(dest: str | Path, marker: bytes) -> DatasetError:
+    """The error for a folder (or prefix) holding a run's marker (``marker``: its first bytes, which name the
+    command) and no manifest: the run to finish."""
+    what = "fastio index" if marker.startswith(b"fastio index") else "fastio convert"
+    return DatasetError(f"{dest}: an unfinished {what} (killed or stopped: {MARKER_NAME} without {MANIFEST_NAME}), "
+                        f"not a dataset; run the same {what} again to finish it")
 
 
 def unfinished_split(dest: Path) -> DatasetError | None:
@@ -677,10 +730,14 @@ def unfinished_split(dest: Path) -> DatasetError | None:
     run = dest.parent
     if ((run / MARKER_NAME).is_file() and _read_head(run / MARKER_NAME).startswith(b"fastio convert")
             and not (run / MANIFEST_NAME).exists() and not (run / SPLITS_NAME).exists()):
-        return DatasetError(f"{dest}: a split of {run}: an unfinished fastio convert (killed or stopped: "
-                            f"{MARKER_NAME} without {SPLITS_NAME}), not a dataset; run the same fastio convert "
-                            "again to finish it")
+        return split_unfinished(dest, run)
     return None
+
+
+def split_unfinished(dest: str | Path, run: str | Path) -> DatasetError:
+    """The error for a split folder (or prefix) ``dest`` of the unfinished ``fastio convert`` into ``run``."""
+    return DatasetError(f"{dest}: a split of {run}: an unfinished fastio convert (killed or stopped: {MARKER_NAME} "
+                        f"without {SPLITS_NAME}), not a dataset; run the same fastio convert again to finish it")
 
 
 def _nearest(dest: Path) -> str:
@@ -689,7 +746,7 @@ def _nearest(dest: Path) -> str:
         names = sorted(e.name for e in os.scandir(dest.parent or ".") if e.is_dir() and not e.name.startswith("."))
     except OSError:
         return ""
-    near = difflib.get_close_matches(dest.name, names[:_LOOK_AT], n=1)
+    near = difflib.get_close_matches(dest.name, names[:LOOK_AT], n=1)
     return f" (did you mean {dest.parent / near[0]}?)" if near else ""
 
 
@@ -702,15 +759,16 @@ def _dataset_of_file(file: Path) -> Path | None:
     return None
 
 
-def _shard_pattern(dest: Path) -> DatasetError | None:
+def shard_pattern(dest: str, is_dataset: Callable[[str], bool]) -> DatasetError | None:
     """The error for a WebDataset shard spec (``wds/shard-{000..009}.tar``, what other loaders take) or a glob of
-    tars given as a dataset, naming the ``fastio index`` command that makes their folder one; else None."""
-    text = str(dest)
+    tars given as a dataset (a path or URL), naming the ``fastio index`` command that makes their folder one (or
+    the folder, where ``is_dataset(folder)``: it holds a manifest); else None."""
+    text = dest
     at = min((text.index(c) for c in "{*?[" if c in text), default=-1)
     if at < 0 or not text.lower().endswith(".tar"):
         return None
     folder = text[:at].rsplit("/", 1)[0] if "/" in text[:at] else "."
-    if (Path(folder) / MANIFEST_NAME).is_file():
+    if is_dataset(folder):
         return DatasetError(f"{dest}: a pattern of tar shards, not a dataset: their folder {folder} is one; give it")
     # fastio expands no globs: a glob names the folder, a brace pattern itself (quoted for the shell)
     command = f"fastio index {shlex.quote(text)}" if "{" in text else f"fastio index {shlex.quote(folder)}"
@@ -724,10 +782,10 @@ def _megatron_folder(dest: Path) -> Path | None:
     ``data/web_text_document``); else None."""
     if dest.is_dir():
         try:
-            names = {n for n in os.listdir(dest)[:_LOOK_AT] if not n.startswith(".")}
+            names = {n for n in os.listdir(dest)[:LOOK_AT] if not n.startswith(".")}
         except OSError:
             return None
-        return dest if any(n.endswith(".bin") and f"{n[:-4]}.idx" in names for n in names) else None
+        return dest if holds_pairs(names) else None
     stem = dest.with_suffix("") if dest.suffix in (".bin", ".idx") else dest
     return dest.parent if Path(f"{stem}.bin").is_file() and Path(f"{stem}.idx").is_file() else None
 
@@ -742,17 +800,22 @@ def _read_head(path: Path) -> bytes:
 
 
 def _holds(folder: Path) -> set[str]:
-    """What a folder and its sub-folders hold, by file suffix: ``tar``, ``image`` (a bounded look; an unreadable
-    folder holds nothing)."""
-    found: set[str] = set()
+    """What a folder and its sub-folders hold (:func:`holds_of`; a bounded look; an unreadable folder holds
+    nothing)."""
     names: list[str] = []
     try:
         subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
         for sub in [folder, *subs][:64]:
-            names += os.listdir(sub)[:_LOOK_AT]
+            names += os.listdir(sub)[:LOOK_AT]
     except OSError:
         pass
-    for name in names[:_LOOK_AT]:
+    return holds_of(names)
+
+
+def holds_of(names: list[str]) -> set[str]:
+    """What files of these names are, by suffix: ``tar``, ``image`` (the first :data:`LOOK_AT` names looked at)."""
+    found: set[str] = set()
+    for name in names[:LOOK_AT]:
         if name.lower().endswith(".tar"):
             found.add("tar")
         elif "." in name and is_image_field(name):

@@ -214,12 +214,15 @@ class S3Client:
             raise
         return data, str(got.meta.get("e_tag") or ""), got.meta["last_modified"]
 
-    def list(self, prefix: str) -> list[tuple[str, int]]:
-        """``(key, size)`` of every object under ``prefix`` (a folder-like prefix ending in ``/``)."""
+    def list(self, prefix: str, limit: int | None = None) -> list[tuple[str, int]]:
+        """``(key, size)`` of every object under ``prefix`` (a folder-like prefix ending in ``/``); with ``limit``,
+        the first ``limit`` (S3 lists in key order; the pages after them are not asked for)."""
         with _translated():
-            out = []
+            out: list[tuple[str, int]] = []
             for batch in obstore.list(self._store, prefix=prefix or None):
                 out.extend((m["path"], int(m["size"])) for m in batch)
+                if limit is not None and len(out) >= limit:
+                    return out[:limit]
             return out
 
     def presign(self, keys: list[str], expires_s: float) -> list[str]:

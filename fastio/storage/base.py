@@ -90,8 +90,9 @@ class Storage(ABC):
         """Write a small object whole."""
 
     @abstractmethod
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
-        """Every object whose key starts with ``prefix`` (recursively), sorted by key."""
+    def list(self, prefix: str = "", limit: int | None = None) -> list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursively), sorted by key; with ``limit``, the first
+        ``limit`` of them (on S3, only the pages of the listing that hold them are asked for)."""
 
     @abstractmethod
     def delete(self, key: str) -> None:
@@ -114,20 +115,25 @@ class Storage(ABC):
         return len(data)
 
     def publish_dir(self, local: Path, keys_last: tuple[str, ...] = (),
-                    before_last: Callable[[], None] | None = None) -> list[str]:
-        """Upload every file under ``local`` to the same relative keys; the keys in ``keys_last`` are uploaded
-        after all others, in that order (a manifest or commit marker makes the upload visible), after calling
-        ``before_last`` (a writer's last chance to refuse, e.g. a lease check). Returns the keys."""
+                    before_last: Callable[[], None] | None = None, keys_first: tuple[str, ...] = ()) -> list[str]:
+        """Upload every file under ``local`` to the same relative keys; the keys in ``keys_first`` are uploaded
+        before all others, in that order (an unfinished-output marker: no other object is ever there without it),
+        those in ``keys_last`` after all others, in that order (a manifest or commit marker makes the upload
+        visible), after calling ``before_last`` (a writer's last chance to refuse, e.g. a lease check). Returns the
+        keys."""
         local = Path(local)
         files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-        last = [k for k in keys_last if k in files]
-        first = [k for k in files if k not in last]
-        self._put_many(local, first)
+        head = [k for k in keys_first if k in files]
+        last = [k for k in keys_last if k in files and k not in head]
+        middle = [k for k in files if k not in last and k not in head]
+        for k in head:
+            self.put_file(k, local / k)
+        self._put_many(local, middle)
         if before_last is not None:
             before_last()
         for k in last:
             self.put_file(k, local / k)
-        return first + last
+        return head + middle + last
 
     def _put_many(self, local: Path, keys: list[str]) -> None:
         for k in keys:
@@ -186,7 +192,7 @@ class LocalStorage(Storage):
         final.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_bytes(final, data)
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "", limit: int | None = None) -> list[ObjectInfo]:
         if not self.root.is_dir():
             return []
         out = []
@@ -194,7 +200,7 @@ class LocalStorage(Storage):
             rel = p.relative_to(self.root).as_posix()
             if rel.startswith(prefix) and p.is_file():
                 out.append(ObjectInfo(rel, p.stat().st_size))
-        return sorted(out, key=lambda o: o.key)
+        return sorted(out, key=lambda o: o.key)[:limit]
 
     def delete(self, key: str) -> None:
         try:
@@ -283,10 +289,10 @@ class S3Storage(Storage):
         full = self._key(key)
         self._retrying(lambda: self._client.put_bytes(full, data), key, "PUT")
 
-    def list(self, prefix: str = "") -> list[ObjectInfo]:
+    def list(self, prefix: str = "", limit: int | None = None) -> list[ObjectInfo]:
         base = self._key("")
         full = join_key(base, prefix) if prefix else (base + "/" if base else "")
-        items = self._retrying(lambda: self._client.list(full), prefix, "LIST")
+        items = self._retrying(lambda: self._client.list(full, limit), prefix, "LIST")
         cut = len(base) + 1 if base else 0
         return sorted((ObjectInfo(k[cut:], s) for k, s in items if k.startswith(full)), key=lambda o: o.key)
 
