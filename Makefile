@@ -76,7 +76,7 @@ $(DOCS_STAMP): $(STAMP)
 # --no-loadscope-reorder xdist would hand out the files with the most tests first): about half the time of
 # one process (docs/development.md).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slurm and not docs" -n 2 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -m "not slurm and not docs" -n 3 --dist loadfile --no-loadscope-reorder
 
 # The real Slurm tests (root): a one-node cluster, and a two-node cluster in network namespaces on a private
 # bridge (DDP training with preemption + requeue + resume, the conversion array job + merge). About 2 minutes.

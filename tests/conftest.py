@@ -28,40 +28,55 @@ def _cuda_available() -> bool:
 
 
 # The files that take longest (real ranks, trainers, example runs: tens of seconds each, measured), heaviest
-# first. They run before every other file, so that `make test`'s two xdist workers (--dist loadfile
+# first. They run before every other file, so that `make test`'s three xdist workers (--dist loadfile
 # --no-loadscope-reorder: files handed out in this order) end on short files and finish together, instead of
 # one idling while the other runs a long file handed out last (xdist's default order puts files with few
 # tests, these ones, last).
 SLOW_FILES = (  # seconds of each, summed over its tests (setup included) in one `make test` run on the quiet 2-core
-    # machine (Dec 7 2026, 00:04 UTC: 2176 tests, 422.8 s of tests in 228.1 s); every file of 5 s or more
-    "test_docs.py",  # 25
-    "test_checkpoint_waiting.py",  # 23
-    "test_media_dist.py",  # 22
+    # machine (Dec 7 2026, 12:21 UTC: 3131 tests, 685.7 s of tests in 375.7 s with two
+    # workers); every file of 5 s or more
+    "test_docs.py",  # 40
+    "test_checkpoint_s3.py",  # 39
+    "test_accelerate.py",  # 32
+    "test_media_dist.py",  # 26
+    "test_checkpoint_waiting.py",  # 24
+    "test_checkpoint_readonly.py",  # 22
     "test_bench_gpu.py",  # 22
     "test_checkpoint_agree.py",  # 19
-    "test_torchft_loader.py",  # 19
-    "test_accelerate.py",  # 13
-    "test_lightning.py",  # 13
-    "test_torchft.py",  # 12
-    "test_bench_revs.py",  # 11
-    "test_storage_stall.py",  # 10
-    "test_storage_lease.py",  # 10
-    "test_checkpoint_resume.py",  # 10
-    "test_checkpoint.py",  # 9
+    "test_torchft_loader.py",  # 18
+    "test_lightning.py",  # 16
+    "test_torchft.py",  # 15
+    "test_storage_lease.py",  # 14
+    "test_checkpoint_resume.py",  # 13
+    "test_bench_revs.py",  # 12
+    "test_checkpoint.py",  # 12
+    "test_mixture.py",  # 11
+    "test_cache.py",  # 11
+    "test_storage_stall.py",  # 11
+    "test_checkpoint_rollback.py",  # 11
+    "test_media.py",  # 11
+    "test_lightning_resume.py",  # 10
+    "test_storage_cli.py",  # 10
+    "test_kill.py",  # 9
+    "test_tokens_index_integrity.py",  # 9
+    "test_workers.py",  # 9
     "test_tokens_read.py",  # 8
-    "test_tokens_index_integrity.py",  # 7
-    "test_cache.py",  # 7
+    "test_newcomer.py",  # 8
+    "test_index.py",  # 8
+    "test_loader_errors.py",  # 7
     "test_media_fallback.py",  # 7
-    "test_vlm_example.py",  # 6
-    "test_media.py",  # 6
-    "test_bench_run_tiny.py",  # 6
-    "test_workers.py",  # 6
-    "test_bench_image_text.py",  # 5
-    "test_checkpoint_rollback.py",  # 5
-    "test_lightning_resume.py",  # 5
-    "test_checkpoint_readonly.py",  # 5
-    "test_checkpoint_s3.py",  # 5
-    "test_newcomer.py",  # 5
+    "test_loader_resume.py",  # 7
+    "test_checkpoint_fsdp.py",  # 7
+    "test_checkpoint_s3_dist.py",  # 7
+    "test_vlm_example.py",  # 7
+    "test_media_formats.py",  # 6
+    "test_working_set.py",  # 6
+    "test_storage.py",  # 6
+    "test_hostile_sources.py",  # 5
+    "test_checkpoint_ranks.py",  # 5
+    "test_training_example_flags.py",  # 5
+    "test_checkpoint_dist.py",  # 5
+    "test_bench_checkpoint_peers.py",  # 5
 )
 
 

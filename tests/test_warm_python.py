@@ -62,8 +62,8 @@ def test_a_started_script_is_read_as_it_writes_and_ctrl_c_or_a_kill_reaches_it(w
     terminal, whatever the server inherited); SIGKILL ends it, reported as the signal."""
     waiting = script(tmp_path, """
         import time
-        print("ready", flush=True)
-        try:
+        try:  # "ready" inside: a SIGINT sent as soon as it is read must find the handler in place
+            print("ready", flush=True)
             time.sleep(60)
         except KeyboardInterrupt:
             print("interrupted", flush=True)
