@@ -568,7 +568,7 @@ def _cadence(workdir: Path, cadence_mib: int, repeats: int, quiet_wait: float) -
 
     cadence = measure_cadence(workdir / "cadence", cadence_mib, repeats, CADENCE_SAVERS, factors=(1.0, 4.0),
                               quiet_wait=quiet_wait)
-    for name, c in cadence["cadences"].items():
+    for name, c in sorted(cadence["cadences"].items(), key=lambda item: item[1]["factor"]):
         rows, again = c["savers"], c.get("recalibrated_from_write_s")
         redo = f" (measured again: the calibration's {again:.2f}s was off)" if again else ""
         print(f"cadence {name}, one torch thread, {cadence['size_mib']} MiB: step {cadence['step_s']:.3f}s, write "

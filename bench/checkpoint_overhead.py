@@ -305,7 +305,9 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
             quiet_wait: float = 0.0) -> dict:
     """Per cadence (``factors``: K x step >= factor x write, or K = ``every``) and saver: the median over rounds of
     (window with saves / its neighbours without) - 1 and what blocked the training thread, on one torch thread.
-    ``savers[0]``'s write time sets K for all."""
+    ``savers[0]``'s write time sets K for all: measured while training at first, then the one each cadence's windows
+    measured sets the next (narrower) cadence's K; a cadence whose windows' writes were off by more than
+    :data:`RECALIBRATE` is measured again with theirs (:func:`_cadence`)."""
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     threads = torch.get_num_threads()
@@ -322,7 +324,7 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
         step_s, write_s = _calibrate(model, optim, objs[savers[0]])
         out = {"size_mib": round(state_mib(model, optim)), "step_s": step_s, "write_s": write_s, "rounds": rounds,
                "saves_per_round": saves_per_round, "cadences": {}}
-        for factor in factors:
+        for factor in sorted(factors, reverse=True):  # the widest first: its windows time writes between steps
             out["cadences"][f"{factor:g}x"], write_s = _cadence(model, optim, objs, factor, step_s, write_s, every,
                                                                 (rounds, saves_per_round, quiet_wait))
         for obj in objs.values():

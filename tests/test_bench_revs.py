@@ -111,3 +111,15 @@ def test_the_child_uses_the_option_spelling_the_revision_accepts():
     assert loader.options["pipeline"] == "image-train" and loader.options["image_size"] == 224
     with pytest.raises(SystemExit, match="no option spelling works on this revision: pipeline=fastio.VideoClips"):
         revs_child._video(_OldSpellingFastio, "/data", 0)  # neither VideoClips nor pipeline="video-clips" here
+
+
+def test_an_exported_revision_is_compiled_so_its_processes_do_not_compile_fastio_each_time(tmp_path):
+    """With PYTHONDONTWRITEBYTECODE set (as here), no run writes bytecode: an exported tree without it compiled
+    fastio in every process it started, which convert's rounds counted against the older revision."""
+    rev = export("HEAD", tmp_path)
+    assert not list((rev.tree / "fastio").rglob("*.pyc"))
+    revs.compiled(rev)
+    tag = sys.implementation.cache_tag
+    assert (rev.tree / "fastio" / "__pycache__" / f"__init__.{tag}.pyc").is_file()
+    assert (rev.tree / "fastio" / "cli" / "__pycache__" / f"commands.{tag}.pyc").is_file()
+    assert (rev.tree / "converters" / "__pycache__").is_dir()
