@@ -12,7 +12,7 @@ LITDATA_STAMP := $(VENV)/.litdata-installed
 TRL_STAMP := $(VENV)/.trl-installed
 ENERGON_STAMP := $(VENV)/.energon-installed
 
-.PHONY: install demo test test-slurm bench bench-gpu lint docs clean
+.PHONY: install demo test test-slurm test-bench bench bench-gpu lint docs clean
 
 install: $(STAMP)
 
@@ -76,7 +76,7 @@ $(DOCS_STAMP): $(STAMP)
 # --no-loadscope-reorder xdist would hand out the files with the most tests first): about half the time of
 # one process (docs/development.md).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slurm and not docs" -n 3 --dist loadfile --no-loadscope-reorder
+	$(BIN)/python -m pytest -q -m "not slurm and not docs and not bench" -n 3 --dist loadfile --no-loadscope-reorder
 
 # The real Slurm tests (root): a one-node cluster, and a two-node cluster in network namespaces on a private
 # bridge (DDP training with preemption + requeue + resume, the conversion array job + merge). About 2 minutes.
@@ -86,8 +86,13 @@ test-slurm: $(STAMP)
 	$(BIN)/python -m pytest -q -m slurm
 
 # Results go to bench/out/ (not tracked by git); bench/results/ holds committed reference results.
-bench: $(STAMP) $(LITDATA_STAMP) $(TRL_STAMP) $(ENERGON_STAMP)
+bench: test-bench $(LITDATA_STAMP) $(TRL_STAMP) $(ENERGON_STAMP)
 	$(BIN)/python -m bench.run
+
+# The benchmark harness end to end at tiny sizes (the `bench`-marked tests, about a minute): `make bench` runs them
+# before it measures; `make test` leaves them out (checks of the benchmarks, not of fastio).
+test-bench: $(STAMP)
+	$(BIN)/python -m pytest -q -m bench -n 2 --dist loadfile
 
 # litdata for the tokens section's TokensLoader peer only, without its dependencies (they would replace torch;
 # what it imports, boto3, requests, lightning-utilities and filelock, comes with the dev extra)

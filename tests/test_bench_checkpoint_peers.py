@@ -87,6 +87,7 @@ def test_a_window_saves_after_its_first_step_and_waits_for_the_write_at_its_end(
     assert plain.save_s == plain.finish_s == 0.0 and len(plain.steps) == 4
 
 
+@pytest.mark.bench
 def test_adjacent_windows_end_to_end_at_two_cadences(tmp_path):
     """One round, one saver, K fixed at 2 steps (the cadence rule is test_checkpoint_writer's): every figure the
     section prints is there, with the machine's readings for the round."""

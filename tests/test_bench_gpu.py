@@ -30,6 +30,7 @@ def _section(work, name: str) -> dict:
     return json.loads((root / "out" / f"gpu-{name}.json").read_text())
 
 
+@pytest.mark.bench
 def test_prepare_makes_every_sections_data(work):
     root, _ = work
     made = json.loads((root / "out" / "gpu-prepare.json").read_text())
@@ -37,6 +38,7 @@ def test_prepare_makes_every_sections_data(work):
     assert all(Path(made[k]["path"], "manifest.json").is_file() for k in ("images", "videos", "tokens", "image_text"))
 
 
+@pytest.mark.bench
 def test_decode_and_loader_sections_report_each_contender(work):
     decode = _section(work, "decode")
     assert set(decode["median"]) == {f"{kind} hw={load}" for kind in ("decode", "crop decode") for load in gpu.LOADS}
@@ -46,6 +48,7 @@ def test_decode_and_loader_sections_report_each_contender(work):
     assert all(m["per_s"] > 0 and m["cpu_cores_busy"] > 0 for m in loader["median"].values())
 
 
+@pytest.mark.bench
 def test_train_section_reports_a_stall_fraction_for_each_feeder(work):
     train = _section(work, "train")
     assert set(train["stall_fraction"]) == {"fastio hw=0.65", "fastio hw=1.0", "dali reader", "dataloader"}
@@ -53,6 +56,7 @@ def test_train_section_reports_a_stall_fraction_for_each_feeder(work):
     assert all(r["steps"] == gpu.UNIQUE * gpu.COPIES // gpu.BATCH - 1 for runs in train["runs"].values() for r in runs)
 
 
+@pytest.mark.bench
 @pytest.mark.parametrize("name, contenders", [("video", {"fastio VideoClips"}),
                                                ("tokens", {"fastio Tokens", "megatron GPTDataset"}),
                                                ("image_text", {"fastio ImageText cpu"})])
@@ -73,6 +77,7 @@ def test_the_dali_reader_contender_is_built_once_as_fastios_loader_is(work, monk
     assert len(built) == 1
 
 
+@pytest.mark.bench
 def test_a_section_stopped_at_its_cap_leaves_what_it_measured(work, tmp_path):
     """bench/gpu.sh stops a section with SIGTERM at its cap: the rounds measured by then are written, marked cut off,
     and the exit status is timeout's 124."""

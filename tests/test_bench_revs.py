@@ -51,6 +51,7 @@ def test_a_child_imports_the_revision_it_was_given_and_refuses_another(tmp_path)
     assert "not from the revision's tree" not in taken.stderr and taken.returncode not in (0, 3)
 
 
+@pytest.mark.bench
 def test_head_against_the_working_tree_runs_both_and_pairs_the_ratio(tmp_path, capsys):
     result = compare("HEAD~0", None, repeats=2, only=("tokens",), size="tiny", quiet_wait=0, cache=tmp_path)
     out = capsys.readouterr().out

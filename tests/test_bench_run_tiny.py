@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("webdataset", reason="the image_text section's peer reads the shards with webdataset")
 
 
+@pytest.mark.bench
 def test_bench_run_tiny_runs_the_image_text_section_at_its_smallest_size(tmp_path, monkeypatch):
     import bench.run
     from bench.image_text import TINY

@@ -4,6 +4,7 @@ through a real fastio.Loader in a fresh process whose own peak memory is reporte
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from bench.tokens import bench_first_batch, write_synthetic
 from fastio.report.verify import verify
@@ -17,6 +18,7 @@ def test_the_synthetic_corpus_is_a_token_dataset_fastio_verify_accepts(tmp_path)
     assert again == folder
 
 
+@pytest.mark.bench
 def test_the_first_batch_row_reports_the_childs_own_peak_memory(tmp_path):
     held = np.ones(768 << 20, np.uint8)  # 768 MiB resident here: a child forked from this process started with it
     got = bench_first_batch(tmp_path, 16_000, 64)
