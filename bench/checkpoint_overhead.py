@@ -271,17 +271,20 @@ def _summary(rows: list[dict[str, float]], saves: int, writes: list[float]) -> d
             "off_cpu_per_save_s": med["off_cpu"] / saves}
 
 
-#: A cadence is measured again, once, when ``savers[0]``'s median write in its windows is further than this factor
-#: from the write time its K came from (a calibration write that hit a cold or a flushed page cache once gave
+#: A cadence is measured again, once, when ``savers[0]``'s median write in its windows took longer than this factor
+#: times the write time its K came from (a calibration write that hit a cold or a flushed page cache once gave
 #: 0.29 s for writes of 1.03 s: every saver then waited at the window's end, and the "1x" cadence was not one).
+#: Writes that came out shorter leave K as it is: this host's write time flips between ~0.3 and ~1.4 s, and a K
+#: cut to a short write's made every saver wait again.
 RECALIBRATE = 1.5
 
 
 def _cadence(model: Any, optim: Any, objs: dict[str, Any], factor: float, step_s: float, write_s: float,
              every: int | None, args: tuple[int, int, float]) -> tuple[dict, float]:
     """One cadence's rounds (``args``: rounds, saves per round, quiet wait) and each saver's summary; measured
-    again with K from the windows' own write time when the first saver's writes there were off by more than
-    :data:`RECALIBRATE` from ``write_s``. Returns the cadence's record and the write time the next cadence uses."""
+    again with K from the windows' own write time when the first saver's writes there took longer than
+    :data:`RECALIBRATE` x ``write_s``. Returns the cadence's record and the write time the next cadence's K comes
+    from: the longer of ``write_s`` and the one its windows measured."""
     rounds, saves, quiet_wait = args
     first, recalibrated_from = next(iter(objs)), None
     while True:
@@ -290,14 +293,14 @@ def _cadence(model: Any, optim: Any, objs: dict[str, Any], factor: float, step_s
             obj.writes.clear()
         got = _rounds(model, optim, objs, k, rounds, saves, quiet_wait)
         seen = statistics.median(objs[first].writes) if objs[first].writes else write_s
-        if every or recalibrated_from is not None or 1 / RECALIBRATE <= seen / write_s <= RECALIBRATE:
+        if every or recalibrated_from is not None or seen <= RECALIBRATE * write_s:
             break
         recalibrated_from, write_s = write_s, seen
-    record = {"factor": factor, "every": k, "write_s": write_s, "quiet": got["quiet"],
+    record = {"factor": factor, "every": k, "write_s": write_s, "windows_write_s": seen, "quiet": got["quiet"],
               "savers": {n: _summary(got["rows"][n], saves, objs[n].writes) for n in objs}}
     if recalibrated_from is not None:
         record["recalibrated_from_write_s"] = recalibrated_from
-    return record, write_s
+    return record, max(write_s, seen)
 
 
 def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str, ...] = ("fastio",),

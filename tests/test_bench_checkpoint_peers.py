@@ -113,17 +113,19 @@ class _TimedWriter:
         self.writes.append(self.write_s)
 
 
-@pytest.mark.parametrize("seen, again", [(1.0, True), (0.25, False)])
-def test_a_cadence_whose_writes_were_off_from_the_calibration_is_measured_again_with_their_time(seen, again):
+@pytest.mark.parametrize("seen, again", [(1.0, True), (0.25, False), (0.05, False)])
+def test_a_cadence_whose_writes_took_longer_than_the_calibration_is_measured_again_with_their_time(seen, again):
     """A calibration write of 0.29 s for writes of 1.03 s once made the "1x" cadence every 2 steps instead of 6:
-    the windows' own write time now sets K again (once), and the record says so."""
+    the windows' own write time now sets K again (once), and the record says so. Shorter writes leave K (a K cut
+    to a short write's made every saver wait again); the next cadence's K comes from the longer of the two."""
     from bench.checkpoint_overhead import _cadence
     from bench.model import build
 
     model, optim = build(1)
     saver = _TimedWriter(seen)
-    got, write_s = _cadence(model, optim, {"w": saver}, 1.0, step_s=0.5, write_s=0.2, every=None, args=(1, 1, 0.0))
-    assert write_s == got["write_s"] == (seen if again else 0.2)
+    got, next_write = _cadence(model, optim, {"w": saver}, 1.0, step_s=0.5, write_s=0.2, every=None, args=(1, 1, 0.0))
+    assert got["write_s"] == (seen if again else 0.2) and got["windows_write_s"] == seen
+    assert next_write == max(seen, 0.2)
     assert got["every"] == (2 if again else 1)  # K x 0.5 s >= 1.0 s, or >= 0.2 s
     assert ("recalibrated_from_write_s" in got) is again and got.get("recalibrated_from_write_s", 0.2) == 0.2
     assert saver.saves == (2 if again else 1) and len(got["savers"]["w"]["ratios"]) == 1
