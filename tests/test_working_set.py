@@ -341,3 +341,21 @@ def test_a_packed_kind_is_told_shuffle_none_not_block_when_its_cache_is_too_smal
     with fastio.Loader(url, cache_dir=str(tmp_path / "c1"), cache_size=named[1], shuffle="none", **opts) as loader:
         got = sorted(i for b in loader for i, pad in zip(b["index"].tolist(), b["padded"].tolist()) if not pad)
     assert got == list(range(len(got))) and len(got) > 20
+
+
+def test_a_refusal_for_a_batch_larger_than_the_epoch_names_the_batch_the_loader_makes(moto_server, s3_bucket, shards,
+                                                                                      tmp_path):
+    """batch_size=10**9 with remainder='partial' over 48 samples: the Loader makes batches of the 48 (DALI's batch
+    is min(batch_size, the epoch)), and a cache too small for them was refused, rightly, but in words of 'batches
+    of 1000000000 samples'. Now the words name the batch of 48 samples it reads."""
+    url = f"s3://{s3_bucket}/ds"
+    _upload(shards, url, moto_server.options())
+    opts = dict(OPTS, batch_size=10**9, remainder="partial", shuffle="none", shard_read_ahead=0,
+                storage_options=moto_server.options())
+    with pytest.raises(StorageError) as err:
+        Loader(url, cache_dir=str(tmp_path / "cache"), cache_size=_largest(shards, 2), **opts)
+    said = str(err.value)
+    assert "1000000000" not in said and "(the shards of 1 batch of 48 samples read at once, each touching up to 6 " \
+        "consecutive shards)" in said, said
+    named = re.search(r"raise cache_size to at least (\S+ [kM]?B)$", said)  # the amount was right: every shard
+    assert named and parse_size(named[1]) >= _largest(shards, 6), said

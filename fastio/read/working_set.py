@@ -4,7 +4,9 @@
 A reader thread holds the shards of the batch it reads (every shard the batch has a sample in) until it has read
 them all, and ``batches`` of them are read at once (the reader threads, at most the read-ahead batches + 2: see
 :class:`Reading`). What one batch of ``batch_size`` samples can touch, whatever the epoch, the rank, a resume's
-start or the padded last batch (which wraps to the epoch's start), by shuffle mode:
+start or the padded last batch (which wraps to the epoch's start), by shuffle mode (a ``batch_size`` past the
+epoch, which ``remainder='partial'`` takes, is one batch of the epoch's samples: every shard; a refusal names that
+batch, the one the Loader makes):
 
 - ``global``: every batch draws from the whole dataset, so every shard is wanted at once: all of it;
 - ``block``: the windows of ``block_shards`` shards its positions span: the two at its ends (any shards of them:
@@ -189,7 +191,9 @@ def _what(shards: Shards, reading: Reading) -> str:
     if reading.shuffle == "global":
         return "every shard: a global shuffle draws each batch from the whole dataset"
     k, b, t = reading.batches, reading.batch_size, shards.per_batch(reading)
-    size = count(b, "sample") if reading.per_unit == 1 else (
+    # a batch_size past the epoch (remainder='partial') is one batch of the epoch's samples, the batch the Loader
+    # makes (a packed kind's units are not counted here: its batch is named as given)
+    size = count(min(b, shards.n), "sample") if reading.per_unit == 1 else (
         f"{count(b // reading.per_unit, 'unit')} of up to {count(reading.per_unit, 'stored sample')}")
     batches = f"{k} {agree(k, 'batch', 'batches')} of {size} read at once"
     if reading.shuffle == "block":
