@@ -4,7 +4,7 @@ only, resuming exactly.
     fastio convert vlm.jsonl vlm --tokenizer tokenizer.json --chat-template tokenizer_config.json \\
         --image-field images --image-token "<image>"
     python examples/vlm_train.py vlm ckpt [--tokenizer tokenizer.json] [--steps 200] [--seq-len 256] \\
-        [--image-seq-len 16] [--image-size 32] [--batch-size 4]
+        [--image-seq-len 16] [--image-size 32] [--batch-size 4] [--remainder pad|partial]
 
 ``fastio.ImageText`` packs whole conversations into sequences of ``seq_len + 1`` tokens, each image token repeated
 ``image_seq_len`` times (its run), and decodes and augments the batch's images with DALI (``ImageTrain``, random
@@ -15,11 +15,13 @@ transformer of ``examples/gpt_train.py`` reads them with the other tokens' embed
 and a block-causal mask from ``segment_ids`` at each conversation), and the loss counts a target ``tokens[:, 1:]``
 only where ``loss_mask[:, 1:]`` is True: the replies, never an image, the prompts or padding. The token embedding
 has the manifest's ``image_text.embedding_size`` rows (the vocabulary of the tokenizer the dataset was converted
-with); ``--tokenizer``, where given, must have as many ids. A size flag that is not a positive integer, a dataset
-that is not image-text or a CKPT_DIR that cannot be made is refused in one line naming it (exit 2). The Checkpointer
-saves the model, the optimizer, the RNG states and the Loader's position every 5 steps; run the same command after
-a kill (SIGKILL included) and it continues from the last committed step with the same sequences, the same per-step
-losses and the same weights as a run that was never stopped. tests/test_vlm_example.py kills it and compares.
+with); ``--tokenizer``, where given, must have as many ids. ``--remainder`` is the Loader's ``remainder``:
+``partial`` takes a ``--batch-size`` larger than the dataset's packed sequences (one batch of them). A size flag
+that is not a positive integer, a dataset that is not image-text or a CKPT_DIR that cannot be made is refused in one
+line naming it (exit 2). The Checkpointer saves the model, the optimizer, the RNG states and the Loader's position
+every 5 steps; run the same command after a kill (SIGKILL included) and it continues from the last committed step
+with the same sequences, the same per-step losses and the same weights as a run that was never stopped.
+tests/test_vlm_example.py kills it and compares.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from sft_train import trained_loss
 from torch import nn
 
 import fastio
+from fastio.order.sampler import REMAINDER_MODES
 
 
 class TinyVLM(nn.Module):
@@ -109,6 +112,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image-seq-len", type=positive_int, default=16)
     parser.add_argument("--image-size", type=positive_int, default=32)
     parser.add_argument("--batch-size", type=positive_int, default=4)
+    parser.add_argument("--remainder", choices=REMAINDER_MODES, default="pad",
+                        help="the Loader's remainder: 'pad' fills an epoch's last batch by wrapping to its start, "
+                        "'partial' keeps it smaller (and takes a --batch-size larger than the dataset)")
     args = parser.parse_args(argv)
     try:
         patch_side(args.image_size, args.image_seq_len)
@@ -119,7 +125,8 @@ def main(argv: list[str] | None = None) -> None:
     pipe = fastio.ImageText(image=fastio.ImageTrain(size=args.image_size), seq_len=args.seq_len,
                             image_seq_len=args.image_seq_len, packing="best-fit")
     train_loop(args.ckpt_dir, args.steps,
-               lambda: fastio.Loader(args.data, pipeline=pipe, batch_size=args.batch_size, device="cpu", seed=0),
+               lambda: fastio.Loader(args.data, pipeline=pipe, batch_size=args.batch_size, device="cpu", seed=0,
+                                         remainder=args.remainder),
                lambda train: TinyVLM(vocab, args.seq_len + 1, args.image_size, args.image_seq_len),
                vlm_loss,
                note=lambda batch: f" trained {int(batch['loss_mask'][:, 1:].sum())} images {len(batch['images'])}")
