@@ -102,7 +102,7 @@ def test_bad_urls_and_foreign_prefixes_are_refused(aws_env, s3_bucket, image_fol
         assert code == 2 and "prefix is not empty and is not fastio output" in err, err
     assert theirs.get("manifest.json") == b'{"name": "my-project"}'
     code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)
-    assert code == 2 and f"s3://{s3_bucket}/nothing: not a fastio dataset" in err
+    assert code == 2 and f"s3://{s3_bucket}/nothing: no such dataset directory" in err
     for command in ("verify", "inspect"):  # said "not a fastio dataset (no manifest.json ...)"
         code, _, err = run_cli([command, "s3://no-such-bucket-here/ds"], capsys)
         assert code == 2 and "s3://no-such-bucket-here/ds: no such bucket 'no-such-bucket-here'" in err, err
@@ -214,6 +214,65 @@ def test_unindexed_tars_and_a_dataset_file_on_s3_are_named_as_locally(aws_env, s
     said = (f"fastio: error: {run.url}/train: a split of {run.url}: an unfinished fastio convert (killed or stopped: "
             ".fastio-output without splits.json), not a dataset; run the same fastio convert again to finish it\n")
     assert run_cli(["verify", f"{run.url}/train"], capsys)[1:] == ("", said)
-    code, _, err = run_cli(["verify", f"s3://{s3_bucket}/nothing"], capsys)  # nothing there: as before
-    assert code == 2 and err == f"fastio: error: s3://{s3_bucket}/nothing: not a fastio dataset (no manifest.json; " \
+    notes = open_storage(f"s3://{s3_bucket}/notes")  # nothing fastio names there: as before
+    notes.put_bytes("notes.txt", b"no dataset here")
+    code, _, err = run_cli(["verify", notes.url], capsys)
+    assert code == 2 and err == f"fastio: error: {notes.url}: not a fastio dataset (no manifest.json; " \
                                 "an interrupted conversion?)\n"
+
+
+def test_a_prefix_of_datasets_of_images_or_of_nothing_is_named_as_a_local_folder_is(aws_env, moto_server, s3_bucket,
+                                                                                    image_dataset, image_folder,
+                                                                                    tmp_path, capsys):
+    """Before: `fastio verify|inspect` and the Loader given an s3:// prefix holding converted datasets in its
+    sub-prefixes (no splits.json), a prefix of plain .jpg objects, or a mistyped prefix (no object at all) each said
+    'not a fastio dataset (no manifest.json; an interrupted conversion?)' (so did a local folder of datasets) where
+    a local folder of images or a missing one is named as such. Now each names the URL and what it is: the datasets
+    to open, that the images are to be converted (from a local copy: convert reads images from disk), no such
+    dataset (and the prefix nearest a typo), an empty folder (a console's folder object, an empty bucket); as a
+    local folder's message says it."""
+    import shutil
+
+    from fastio.dataset.manifest import MANIFEST_NAME
+
+    local, remote = tmp_path / "many", f"s3://{s3_bucket}/many"
+    for name in ("a", "b"):
+        shutil.copytree(image_dataset, local / name)
+        open_storage(f"{remote}/{name}").publish_dir(image_dataset, keys_last=(MANIFEST_NAME,))
+    for dest in (str(local), remote):
+        said = f"{dest}: holds the datasets a, b, not one dataset: open {dest}/a or {dest}/b"
+        for command in ("verify", "inspect"):
+            assert run_cli([command, dest], capsys)[1:] == ("", f"fastio: error: {said}\n"), (command, dest)
+        with pytest.raises(DatasetError, match=f"^{re.escape(said)}$"):
+            Loader(dest, batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    images = open_storage(f"s3://{s3_bucket}/imgs")
+    for path in sorted(image_folder.rglob("*.jpg")):
+        images.put_bytes(path.relative_to(image_folder).as_posix(), path.read_bytes())
+    said = (f"fastio: error: {image_folder}: a folder of images, not a dataset: convert it with `fastio convert "
+            f"{image_folder} DEST`, then give DEST\n")
+    assert run_cli(["verify", str(image_folder)], capsys)[1:] == ("", said)
+    said = (f"fastio: error: {images.url}: a folder of images, not a dataset: copy it to a local folder and convert "
+            "that with `fastio convert FOLDER DEST`, then give DEST\n")
+    for command in ("verify", "inspect"):
+        assert run_cli([command, images.url], capsys)[1:] == ("", said), command
+    for folder in (str(tmp_path), f"s3://{s3_bucket}"):
+        for typo, near in (("mnay", "many"), ("many/aa", "many/a"), ("zzz", None)):
+            hint = f" (did you mean {folder}/{near}?)" if near else ""
+            said = f"fastio: error: {folder}/{typo}: no such dataset directory{hint}\n"
+            for command in ("verify", "inspect"):
+                assert run_cli([command, f"{folder}/{typo}"], capsys)[1:] == ("", said), (command, typo)
+    with pytest.raises(DatasetError, match=rf"^s3://{s3_bucket}/mnay: no such dataset directory \(did you mean "):
+        Loader(f"s3://{s3_bucket}/mnay", batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    # an empty folder: a console's "Create folder" (an object "empty/"; it was named as a typo of itself), a bucket
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", moto_server.port, timeout=10)
+    conn.request("PUT", f"/{s3_bucket}/empty/", body=b"")
+    assert conn.getresponse().status == 200
+    conn.close()
+    moto_server.create_bucket(f"{s3_bucket}-e")
+    (tmp_path / "empty").mkdir()
+    for dest in (str(tmp_path / "empty"), f"s3://{s3_bucket}/empty", f"s3://{s3_bucket}-e"):
+        said = (f"fastio: error: {dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
+                "`fastio index` made\n")
+        assert run_cli(["verify", dest], capsys)[1:] == ("", said), dest

@@ -24,11 +24,16 @@ from fastio.dataset.manifest import (
     IndexRecord,
     Manifest,
     ShardRecord,
+    empty_not_dataset,
     file_not_dataset,
     file_of_dataset,
+    holds_datasets,
     holds_of,
     holds_pairs,
+    images_not_dataset,
     load_manifest,
+    no_dataset,
+    no_such_dataset,
     pairs_not_dataset,
     shard_pattern,
     split_names,
@@ -142,8 +147,9 @@ def no_manifest(url: str, storage: Storage) -> DatasetError:
     """The error for a DEST ``url`` on an object store (``storage``: its client's options) whose manifest is
     missing, as :func:`~fastio.dataset.manifest.not_a_dataset` says it of a local path: its bucket does not exist
     (asked with one GET of a key that is never there: S3 names ``NoSuchBucket`` in the body), the URL is an object
-    (a dataset's file: the dataset named), the prefix holds tar shards (the first objects listed: the command that
-    makes it a dataset), or it is not a fastio dataset."""
+    (a dataset's file: the dataset named), no object is below the prefix (no such dataset), the prefix holds
+    datasets, tar shards or images (the first objects listed: which to open, the command that makes it a dataset),
+    or it is not a fastio dataset: each in the words of a local folder's error."""
     bucket = url.split("/", 3)[2] if url.startswith("s3://") else None
     if bucket:
         try:
@@ -153,8 +159,7 @@ def no_manifest(url: str, storage: Storage) -> DatasetError:
                 return DatasetError(f"{url}: no such bucket {bucket!r} (at this endpoint)")
     options = storage.options
     return (shard_pattern(url, lambda folder: open_storage(folder, options).exists(MANIFEST_NAME))
-            or _object_not_dataset(url, options) or _prefix_not_dataset(url, options)
-            or DatasetError(f"{url}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)"))
+            or _object_not_dataset(url, options) or _prefix_not_dataset(url, options) or no_dataset(url))
 
 
 def names_object(url: str, options: StorageOptions | dict | None) -> bool:
@@ -171,36 +176,50 @@ def _object_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
     parent = url.rstrip("/").rpartition("/")[0]
     owners = (parent, parent.rpartition("/")[0]) if parent.endswith(f"/{SHARDS_DIR}") else (parent,)
     for owner in owners:
-        folder = open_storage(owner, options)
-        if folder.exists(MANIFEST_NAME) or folder.exists(SPLITS_NAME):
+        if _holds_dataset(open_storage(owner, options)):
             return file_of_dataset(url, owner)
     return tar_not_dataset(url, parent) if url.rstrip("/").lower().endswith(".tar") else file_not_dataset(url)
 
 
+def _holds_dataset(folder: Storage) -> bool:
+    """Whether the prefix ``folder`` holds a dataset's manifest or a ``split`` DEST's ``splits.json`` (HEADs)."""
+    return folder.exists(MANIFEST_NAME) or folder.exists(SPLITS_NAME)
+
+
 def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | None:
-    """The error for a dataset's ``shards/`` prefix (naming the dataset), a prefix holding a run's marker (an
-    unfinished run: its shards are not a source), Megatron pairs (directly in it) or tar shards (in it or one
-    folder below, as a local folder is looked at); None for any other. Lists the first
-    :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
+    """The error for a prefix with no object below it (no such dataset: the prefix beside it nearest a typo's
+    name), a dataset's ``shards/`` prefix (naming the dataset), a prefix holding a run's marker (an unfinished run:
+    its shards are not a source), Megatron pairs (directly in it), datasets (in the first 64 sub-prefixes: which
+    to open), tar shards or images (in it or one folder below, as a local folder is looked at); None for any
+    other. Lists the first :data:`~fastio.dataset.manifest.LOOK_AT` objects only."""
     parent, _, name = url.rstrip("/").rpartition("/")
     if name == SHARDS_DIR and parent.count("/") >= 2 and open_storage(parent, options).exists(MANIFEST_NAME):
         return file_of_dataset(url, parent, "folder")  # not `fastio index`: it refuses that folder
     storage = open_storage(url, options)
     keys = [o.key for o in storage.list("", limit=LOOK_AT)]
+    if not keys:  # a bucket's root or a console's folder (a "name/" object), or nothing written below (a typo?)
+        beside = open_storage(parent, options).folders() if parent.count("/") >= 2 else [name]
+        return empty_not_dataset(url) if name in beside else no_such_dataset(url, beside)
     if MARKER_NAME in keys:
         try:
             return unfinished_marked(url, storage.get(MARKER_NAME)[:64])  # a line fastio wrote
         except StorageError:  # deleted since it was listed (the run's cleanup): what else is there is no source
             return None
     pairs = holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")})
-    tars = "tar" in holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1])
+    holds = holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1])
+    tars = "tar" in holds
     if pairs or tars:
         unfinished = unfinished_split_of(url, options)  # its shards are part of the source only: not `fastio index`
         if unfinished is not None:
             return unfinished
     if pairs:
         return pairs_not_dataset(url, url, "a folder of Megatron .bin/.idx pairs")
-    return tars_not_dataset(url) if tars else None
+    datasets = [n for n in storage.folders()[:64] if not n.startswith(".") and _holds_dataset(storage.child(n))]
+    if datasets:  # before the tars: a dataset indexed in place holds its tars
+        return holds_datasets(url, "dataset", datasets)
+    if tars:
+        return tars_not_dataset(url)
+    return images_not_dataset(url) if "image" in holds else None
 
 
 def unfinished_split_of(url: str, options: StorageOptions | dict | None) -> DatasetError | None:
@@ -354,8 +373,7 @@ class RemoteFiles(DatasetFiles):
 def _refuse_split_parent(dest: str | Path, splits: list[str] | None) -> None:
     """DatasetError naming the splits a DEST written with ``split`` holds (it is not a dataset itself)."""
     if splits:
-        children = " or ".join(str(dest_child(dest, name)) for name in splits)
-        raise DatasetError(f"{dest}: holds the splits {', '.join(splits)}, not one dataset: open {children}")
+        raise holds_datasets(dest, "split", splits)
 
 
 def open_files(dest: str | Path, *, cache_dir: str | Path | None = None, cache_size: int | str | None = None,

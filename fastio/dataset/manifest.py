@@ -42,6 +42,11 @@ __all__ = [
     "holds_of",
     "file_not_dataset",
     "file_of_dataset",
+    "holds_datasets",
+    "images_not_dataset",
+    "no_dataset",
+    "no_such_dataset",
+    "empty_not_dataset",
     "FORMAT",
     "fastio_json",
     "ChatInfo",
@@ -644,21 +649,65 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if dest.is_file():
         return file_not_dataset(dest)
     if not dest.is_dir():
-        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or DatasetError(
-            f"{dest}: no such dataset directory{_nearest(dest)}")
+        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or no_such_dataset(
+            dest, _folders(dest.parent))
     unfinished = unfinished_run(dest)
     if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
         return unfinished
+    datasets = [n for n in _folders(dest)[:64] if _is_dataset(dest / n)]
+    if datasets:  # before the tars: a dataset indexed in place holds its tars
+        return holds_datasets(dest, "dataset", datasets)
     holds = _holds(dest)
     if "tar" in holds:
         return tars_not_dataset(dest)
     if "image" in holds:
+        return images_not_dataset(dest)
+    if not any(os.scandir(dest)):
+        return empty_not_dataset(dest)
+    return no_dataset(dest)
+
+
+def no_dataset(dest: str | Path) -> DatasetError:
+    """The error for a folder (or prefix) without a manifest that holds nothing fastio names."""
+    return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+
+
+def empty_not_dataset(dest: str | Path) -> DatasetError:
+    """The error for an empty folder (or an empty bucket) given as a dataset."""
+    return DatasetError(f"{dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
+                        "`fastio index` made")
+
+
+def no_such_dataset(dest: str | Path, beside: Sequence[str]) -> DatasetError:
+    """The error for a missing dataset folder, or an ``s3://`` prefix with no object below it (``beside``: the
+    folders of its parent), naming the one whose name is nearest (a typo's), if any."""
+    parent, _, name = str(dest).rstrip("/").rpartition("/")
+    name = dest.name if isinstance(dest, Path) else name
+    near = difflib.get_close_matches(name, [n for n in beside if not n.startswith(".")][:LOOK_AT], n=1)
+    if not near:
+        return DatasetError(f"{dest}: no such dataset directory")
+    return DatasetError(f"{dest}: no such dataset directory (did you mean "
+                        f"{Path(dest).parent / near[0] if isinstance(dest, Path) else f'{parent}/{near[0]}'}?)")
+
+
+def images_not_dataset(dest: str | Path) -> DatasetError:
+    """The error for a folder (or an ``s3://`` prefix) of images given as a dataset: the command that converts it
+    (from a local copy of a prefix: ``fastio convert`` reads an image folder from disk)."""
+    if isinstance(dest, Path):
         return DatasetError(f"{dest}: a folder of images, not a dataset: convert it with "
                             f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
-    if not any(os.scandir(dest)):
-        return DatasetError(f"{dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
-                            "`fastio index` made")
-    return DatasetError(f"{dest}: not a fastio dataset (no {MANIFEST_NAME}; an interrupted conversion?)")
+    return DatasetError(f"{dest}: a folder of images, not a dataset: copy it to a local folder and convert that with "
+                        "`fastio convert FOLDER DEST`, then give DEST")
+
+
+def holds_datasets(dest: str | Path, what: str, names: Sequence[str]) -> DatasetError:
+    """The error for a folder (or prefix) ``dest`` that holds datasets, not one: ``what`` ``names`` (the ``split``s
+    its ``splits.json`` lists, or the ``dataset``s of its sub-folders), the first 8 of them offered to open."""
+    shown, more = list(names[:8]), len(names) - len(names[:8])
+    children = " or ".join(str(dest / n if isinstance(dest, Path) else f"{str(dest).rstrip('/')}/{n}") for n in shown)
+    listed = ", ".join(shown) + (f" and {more} more" if more else "")
+    return DatasetError(f"{dest}: holds the {agree(len(names), what)} {listed}, not one dataset: open {children}"
+                        + (" or another" if more else ""))
 
 
 def file_of_dataset(given: str | Path, owner: str | Path, what: str | None = None) -> DatasetError:
@@ -740,21 +789,24 @@ def split_unfinished(dest: str | Path, run: str | Path) -> DatasetError:
                         f"without {SPLITS_NAME}), not a dataset; run the same fastio convert again to finish it")
 
 
-def _nearest(dest: Path) -> str:
-    """`` (did you mean X?)`` naming the folder beside a missing ``dest`` whose name is nearest (a typo), or ''."""
+def _folders(folder: Path) -> list[str]:
+    """The names of the folders in ``folder`` but hidden ones, sorted ([] if it cannot be read)."""
     try:
-        names = sorted(e.name for e in os.scandir(dest.parent or ".") if e.is_dir() and not e.name.startswith("."))
+        return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
     except OSError:
-        return ""
-    near = difflib.get_close_matches(dest.name, names[:LOOK_AT], n=1)
-    return f" (did you mean {dest.parent / near[0]}?)" if near else ""
+        return []
+
+
+def _is_dataset(folder: Path) -> bool:
+    """Whether ``folder`` holds a dataset's manifest or a ``split`` DEST's ``splits.json``."""
+    return (folder / MANIFEST_NAME).is_file() or (folder / SPLITS_NAME).is_file()
 
 
 def _dataset_of_file(file: Path) -> Path | None:
     """The dataset (or --split DEST) a file belongs to: the folder holding it beside a manifest (shards indexed in
     place, the manifest itself) or, for a file of a ``shards/`` folder, that folder's parent with a manifest."""
     for folder in (file.parent, file.parent.parent) if file.parent.name == SHARDS_DIR else (file.parent,):
-        if (folder / MANIFEST_NAME).is_file() or (folder / SPLITS_NAME).is_file():
+        if _is_dataset(folder):
             return folder
     return None
 

@@ -225,6 +225,11 @@ class S3Client:
                     return out[:limit]
             return out
 
+    def folders(self, prefix: str) -> list[str]:
+        """The full keys of the common prefixes directly below ``prefix`` (one listing with a ``/`` delimiter)."""
+        with _translated():
+            return [str(p) for p in obstore.list_with_delimiter(self._store, prefix=prefix or None)["common_prefixes"]]
+
     def presign(self, keys: list[str], expires_s: float) -> list[str]:
         """Presigned GET URLs of ``keys`` (for tools without the credentials, e.g. ``curl``)."""
         with _translated():

@@ -95,6 +95,11 @@ class Storage(ABC):
         ``limit`` of them (on S3, only the pages of the listing that hold them are asked for)."""
 
     @abstractmethod
+    def folders(self, prefix: str = "") -> list[str]:
+        """The names of the folders directly below ``prefix`` (on S3: the common prefixes of one listing with a
+        ``/`` delimiter), sorted."""
+
+    @abstractmethod
     def delete(self, key: str) -> None:
         """Delete one object (callers delete only what fastio wrote)."""
 
@@ -202,6 +207,12 @@ class LocalStorage(Storage):
                 out.append(ObjectInfo(rel, p.stat().st_size))
         return sorted(out, key=lambda o: o.key)[:limit]
 
+    def folders(self, prefix: str = "") -> list[str]:
+        try:
+            return sorted(e.name for e in os.scandir(self._path(prefix)) if e.is_dir())
+        except OSError:
+            return []
+
     def delete(self, key: str) -> None:
         try:
             self._path(key).unlink()
@@ -295,6 +306,11 @@ class S3Storage(Storage):
         items = self._retrying(lambda: self._client.list(full, limit), prefix, "LIST")
         cut = len(base) + 1 if base else 0
         return sorted((ObjectInfo(k[cut:], s) for k, s in items if k.startswith(full)), key=lambda o: o.key)
+
+    def folders(self, prefix: str = "") -> list[str]:
+        full = self._key(prefix)
+        keys = self._retrying(lambda: self._client.folders(full), prefix, "LIST")
+        return sorted(k.rstrip("/").rpartition("/")[2] for k in keys)
 
     def delete(self, key: str) -> None:
         full = self._key(key)
