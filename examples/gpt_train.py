@@ -1,7 +1,7 @@
 """examples/gpt_train.py: a small GPT-style language model trained on a token dataset, resuming exactly.
 
     fastio convert corpus.jsonl tokens --tokenizer tokenizer.json  # or fastio index DIR --eos-id N [--vocab-size V]
-    python examples/gpt_train.py tokens ckpt [--steps 200] [--seq-len 64] [--batch-size 8]
+    python examples/gpt_train.py tokens ckpt [--steps 200] [--seq-len 64] [--batch-size 8] [--remainder pad|partial]
 
 A tiny causal transformer on the CPU reads packed sequences (``fastio.Tokens``): inputs ``tokens[:, :-1]``,
 targets ``tokens[:, 1:]``, positions from ``position_ids`` (they restart after every end-of-document token). Its
@@ -10,6 +10,8 @@ embedding has the manifest's ``tokens.embedding_size`` rows: the tokenizer's voc
 The Checkpointer saves the model, the optimizer and the Loader's position every 5 steps; run the same command
 after a kill (SIGKILL included) and it continues from the last committed step with the same sequences and the
 same per-step losses as a run that was never stopped. tests/test_tokens_loader.py kills it and compares.
+``--remainder`` is the Loader's ``remainder`` (this example's and the other token examples'): ``partial`` takes a
+``--batch-size`` larger than the dataset's sequences (one batch of them).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from torch import nn
 
 import fastio
+from fastio.order.sampler import REMAINDER_MODES
 
 
 class TinyGPT(nn.Module):
@@ -79,6 +82,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def add_remainder(parser: argparse.ArgumentParser) -> None:
+    """``--remainder``, the Loader's ``remainder`` (what a token example's Loader takes: ``remainder=args.remainder``)."""
+    parser.add_argument("--remainder", choices=REMAINDER_MODES, default="pad",
+                        help="the Loader's remainder: 'pad' fills an epoch's last batch by wrapping to its start, "
+                        "'partial' keeps it smaller (and takes a --batch-size larger than the dataset)")
+
+
 def train_loop(ckpt_dir: str, steps: int, make_loader, make_model, loss_of, note=lambda batch: "") -> None:
     """The loop both token examples share: ``make_loader()``, ``make_model(loader)``, AdamW, ``loss_of(model,
     batch)`` a step, a ``step N loss ...`` line each (``note(batch)`` added), the Checkpointer every 5 steps (the
@@ -125,6 +135,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seq-len", type=positive_int, default=64)
     parser.add_argument("--batch-size", type=positive_int, default=8)
+    add_remainder(parser)
     args = parser.parse_args(argv)
 
     def make_model(train: fastio.Loader) -> TinyGPT:
@@ -136,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
 
     train_loop(args.ckpt_dir, args.steps,
                lambda: fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len),
-                                     batch_size=args.batch_size, device="cpu", seed=0),
+                                     batch_size=args.batch_size, device="cpu", seed=0, remainder=args.remainder),
                make_model, next_token_loss)
 
 

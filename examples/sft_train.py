@@ -3,7 +3,7 @@ exactly.
 
     fastio convert chats.jsonl chat --tokenizer tokenizer.json --chat-template tokenizer_config.json \\
         --max-tokens 257 --overlong truncate
-    python examples/sft_train.py chat ckpt [--steps 200] [--seq-len 256] [--batch-size 8]
+    python examples/sft_train.py chat ckpt [--steps 200] [--seq-len 256] [--batch-size 8] [--remainder pad|partial]
 
 Whole conversations are packed into sequences of ``seq_len + 1`` tokens (``fastio.Tokens(packing="best-fit")``);
 the tiny causal transformer of ``examples/gpt_train.py`` reads inputs ``tokens[:, :-1]`` with ``position_ids``
@@ -14,6 +14,7 @@ The Checkpointer saves the model, the optimizer and the Loader's position every 
 a kill (SIGKILL included) and it continues from the last committed step with the same sequences and the same
 per-step losses as a run that was never stopped. tests/test_chat_loader.py kills it and compares. A size flag that
 is not a positive integer, or a CKPT_DIR that cannot be made, is refused in one line naming it (exit 2).
+``--remainder partial`` takes a ``--batch-size`` larger than the dataset's packed sequences (one batch of them).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from gpt_train import TinyGPT, positive_int, train_loop
+from gpt_train import TinyGPT, add_remainder, positive_int, train_loop
 from torch import nn
 
 import fastio
@@ -50,10 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seq-len", type=positive_int, default=256)
     parser.add_argument("--batch-size", type=positive_int, default=8)
+    add_remainder(parser)
     args = parser.parse_args(argv)
     train_loop(args.ckpt_dir, args.steps,
                lambda: fastio.Loader(args.data, pipeline=fastio.Tokens(seq_len=args.seq_len, packing="best-fit"),
-                                     batch_size=args.batch_size, device="cpu", seed=0),
+                                     batch_size=args.batch_size, device="cpu", seed=0, remainder=args.remainder),
                lambda train: TinyGPT(train.dataset.manifest.tokens.embedding_size, args.seq_len + 1), masked_loss,
                note=lambda batch: f" trained {int(batch['loss_mask'][:, 1:].sum())}")
 

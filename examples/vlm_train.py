@@ -30,12 +30,11 @@ import argparse
 import math
 
 import torch
-from gpt_train import TinyGPT, positive_int, train_loop
+from gpt_train import TinyGPT, add_remainder, positive_int, train_loop
 from sft_train import trained_loss
 from torch import nn
 
 import fastio
-from fastio.order.sampler import REMAINDER_MODES
 
 
 class TinyVLM(nn.Module):
@@ -112,9 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--image-seq-len", type=positive_int, default=16)
     parser.add_argument("--image-size", type=positive_int, default=32)
     parser.add_argument("--batch-size", type=positive_int, default=4)
-    parser.add_argument("--remainder", choices=REMAINDER_MODES, default="pad",
-                        help="the Loader's remainder: 'pad' fills an epoch's last batch by wrapping to its start, "
-                        "'partial' keeps it smaller (and takes a --batch-size larger than the dataset)")
+    add_remainder(parser)
     args = parser.parse_args(argv)
     try:
         patch_side(args.image_size, args.image_seq_len)

@@ -53,20 +53,24 @@ def test_a_checkpoint_folder_that_is_a_file_is_one_line_naming_it(warm, tmp_path
                                                     "checkpoint directory"], out + err
 
 
-def test_the_image_text_example_takes_the_remainder_its_refusal_names(warm, tmp_path, datasets):
+@pytest.mark.parametrize("script, sizes", [
+    ("vlm_train.py", ("--seq-len", "256", "--image-seq-len", "16", "--image-size", "16")),
+    ("sft_train.py", ("--seq-len", "256")),
+])
+def test_a_token_example_takes_the_remainder_its_refusal_names(warm, tmp_path, datasets, script, sizes):
     """A --batch-size larger than the dataset's packed sequences is refused naming remainder='partial' (docs/
-    image-text.md quotes it), but vlm_train.py had no way to give it. Now --remainder partial trains on one batch of
-    them (each sequence once an epoch); a remainder the Loader does not know is one line naming the flag."""
-    data, ckpt = str(datasets["vlm_train.py"]), tmp_path / "ckpt"
-    args = ("--seq-len", "256", "--image-seq-len", "16", "--image-size", "16", "--batch-size", "64", "--steps", "2")
-    rc, out, err = warm.run(EXAMPLES / "vlm_train.py", tmp_path, data, str(ckpt), *args)
+    image-text.md quotes it), but the examples had no way to give it. Now --remainder partial (gpt_train.py's
+    add_remainder, which the token examples share) trains on one batch of them (each sequence once an epoch); a
+    remainder the Loader does not know is one line naming the flag."""
+    data, ckpt = str(datasets[script]), tmp_path / "ckpt"
+    args = (*sizes, "--batch-size", "64", "--steps", "2")
+    rc, out, err = warm.run(EXAMPLES / script, tmp_path, data, str(ckpt), *args)
     assert rc == 2 and "remainder='partial' for one batch of them" in err and "Traceback" not in err, out + err
-    rc, out, err = warm.run(EXAMPLES / "vlm_train.py", tmp_path, data, str(ckpt), *args, "--remainder", "partial")
+    rc, out, err = warm.run(EXAMPLES / script, tmp_path, data, str(ckpt), *args, "--remainder", "partial")
     steps = re.findall(r"^step (\d) loss \S+ .* sequences (\[.*\])$", out, re.M)
     assert rc == 0 and [s for s, _ in steps] == ["1", "2"], out + err
     epochs = [json.loads(seqs) for _, seqs in steps]  # each step an epoch: all of its sequences, each once
     assert len(epochs[0]) > 1 and all(sorted(e) == list(range(len(epochs[0]))) for e in epochs), out
-    rc, out, err = warm.run(EXAMPLES / "vlm_train.py", tmp_path, data, str(tmp_path / "c2"), *args, "--remainder",
-                            "drop")
-    assert rc == 2 and "vlm_train.py: error: argument --remainder: invalid choice: 'drop'" in err, out + err
+    rc, out, err = warm.run(EXAMPLES / script, tmp_path, data, str(tmp_path / "c2"), *args, "--remainder", "drop")
+    assert rc == 2 and f"{script}: error: argument --remainder: invalid choice: 'drop'" in err, out + err
     assert not (tmp_path / "c2").exists()
