@@ -276,3 +276,22 @@ def test_a_prefix_of_datasets_of_images_or_of_nothing_is_named_as_a_local_folder
         said = (f"fastio: error: {dest}: an empty folder, not a dataset: give the folder `fastio convert` or "
                 "`fastio index` made\n")
         assert run_cli(["verify", dest], capsys)[1:] == ("", said), dest
+
+
+def test_a_listing_the_role_may_not_make_leaves_the_message_without_its_hint(moto_server, s3_bucket, image_dataset,
+                                                                            fault_proxy, tmp_path):
+    """The nearest prefix (a typo's) and the datasets below a prefix come from a listing with a delimiter, of the
+    parent or of the prefix: where the role may not make it (a 403, as a policy that lets a role list some prefixes
+    only answers), the message is what it is without that look, not the listing's refusal."""
+    from fastio.dataset.dataset import Dataset
+    from fastio.dataset.manifest import MANIFEST_NAME
+
+    open_storage(f"s3://{s3_bucket}/many/a", moto_server.options()).publish_dir(image_dataset,
+                                                                                 keys_last=(MANIFEST_NAME,))
+    fault_proxy.forbidden = {"delimiter="}
+    opts = dict(cache_dir=tmp_path / "cache", storage_options=moto_server.options(fault_proxy.endpoint))
+    with pytest.raises(DatasetError, match=rf"^s3://{s3_bucket}/mnay: no such dataset directory$"):
+        Dataset(f"s3://{s3_bucket}/mnay", **opts)
+    with pytest.raises(DatasetError, match=rf"^s3://{s3_bucket}/many: not a fastio dataset \(no manifest.json"):
+        Dataset(f"s3://{s3_bucket}/many", **opts)
+    assert fault_proxy.counts["forbid"] >= 2, fault_proxy.counts

@@ -181,6 +181,15 @@ def _object_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
     return tar_not_dataset(url, parent) if url.rstrip("/").lower().endswith(".tar") else file_not_dataset(url)
 
 
+def _folders(storage: Storage) -> list[str]:
+    """:meth:`Storage.folders` of a prefix for an error's words: none where the role may not list it (a policy
+    that lets it list some prefixes only), the message then without what that look adds."""
+    try:
+        return storage.folders()
+    except StorageError:
+        return []
+
+
 def _holds_dataset(folder: Storage) -> bool:
     """Whether the prefix ``folder`` holds a dataset's manifest or a ``split`` DEST's ``splits.json`` (HEADs)."""
     return folder.exists(MANIFEST_NAME) or folder.exists(SPLITS_NAME)
@@ -198,7 +207,7 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
     storage = open_storage(url, options)
     keys = [o.key for o in storage.list("", limit=LOOK_AT)]
     if not keys:  # a bucket's root or a console's folder (a "name/" object), or nothing written below (a typo?)
-        beside = open_storage(parent, options).folders() if parent.count("/") >= 2 else [name]
+        beside = _folders(open_storage(parent, options)) if parent.count("/") >= 2 else [name]
         return empty_not_dataset(url) if name in beside else no_such_dataset(url, beside)
     if MARKER_NAME in keys:
         try:
@@ -214,7 +223,7 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
             return unfinished
     if pairs:
         return pairs_not_dataset(url, url, "a folder of Megatron .bin/.idx pairs")
-    datasets = [n for n in storage.folders()[:64] if not n.startswith(".") and _holds_dataset(storage.child(n))]
+    datasets = [n for n in _folders(storage)[:64] if not n.startswith(".") and _holds_dataset(storage.child(n))]
     if datasets:  # before the tars: a dataset indexed in place holds its tars
         return holds_datasets(url, "dataset", datasets)
     if tars:
