@@ -89,6 +89,17 @@ def test_a_limited_listing_is_the_first_objects_by_key(moto_server, s3_bucket, t
         assert [o.key for o in st.list("sub/", limit=1)] == ["sub/a.tar"]
 
 
+def test_folders_are_the_names_directly_below_a_prefix_locally_and_on_s3(moto_server, s3_bucket, tmp_path):
+    """``folders()`` (what a missing dataset's message offers for a typo, and where it looks for datasets below a
+    prefix): the sorted names one level down, not their objects' keys; none below a prefix with nothing there."""
+    for st in (open_storage(f"s3://{s3_bucket}/top", moto_server.options()), open_storage(tmp_path / "top")):
+        for key in ("b/manifest.json", "a/shards/0.tar", "a/manifest.json", "c/d/e/f.txt", "loose.txt"):
+            st.put_bytes(key, b"x")
+        assert st.folders() == ["a", "b", "c"], st.url
+        assert st.folders("a") == st.folders("a/") == ["shards"], st.url
+        assert st.child("c").folders() == ["d"] and st.folders("nothing") == [], st.url
+
+
 def test_missing_and_forbidden_fail_at_once_naming_the_url(moto_server, s3_bucket, fault_proxy):
     st = open_storage(f"s3://{s3_bucket}/p", moto_server.options(fault_proxy.endpoint, backoff_s=0.5))
     t = time.monotonic()
