@@ -230,6 +230,40 @@ def test_truncate_keeps_the_first_turns_of_conversations_in_sharegpt_roles(tmp_p
     assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
 
 
+ALL_TURNS = CHATML.replace("{% if message['role'] == 'assistant' %}", "{% if true %}")
+"""ChatML that trains every turn: the user's and the system's inside a {% generation %} block too."""
+
+
+def test_truncate_ends_on_the_models_reply_under_a_template_that_trains_user_turns(tmp_path):
+    """Found by review: overlong='truncate' cut after any message the template renders inside a {% generation %}
+    block, so under a template that trains the user's turns too a truncated conversation could end on a user
+    message, a prompt with no reply after it. A cut now ends after a reply of the model's (a trained message of a
+    role that is not a prompt's: not user, human, system, developer, tool...); none that fits: dropped, counted."""
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    limit = 80
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    config = chat_config(tmp_path / "tokenizer_config.json", ALL_TURNS)
+    long_reply = [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta gamma " * 60},
+                  {"role": "user", "content": "delta"}, {"role": "assistant", "content": "eta"}]
+    chats = [*conversations(30, 0), long_reply]  # only its first user turn fits: dropped, never kept alone
+    write_chats(tmp_path / "chats.jsonl", chats)
+    result = convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "chat", tmp_path / "tokenizer.json",
+                                               chat_template=config, workers=1, max_tokens=limit,
+                                               overlong="truncate"))
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
+    want, dropped, truncated = [], 0, 0
+    for chat in chats:
+        full = hf_ids_and_mask(hf, ALL_TURNS, chat)
+        cut = full if len(full[0]) <= limit else _first_turns_that_fit(hf, chat, limit, ALL_TURNS)
+        dropped, truncated = dropped + (cut is None), truncated + (cut is not None and cut is not full)
+        if cut is not None:
+            want.append(cut)
+    assert truncated > 0 and dropped > 0 and result.documents == len(want)
+    assert stored_conversations(tmp_path / "chat") == want
+    source = load_manifest(tmp_path / "chat").converted_from
+    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+
+
 def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path):
     with pytest.raises(ConvertError, match=r"chats.jsonl:\d+: field 'messages': the conversation has \d+ tokens, more "
                                            r"than max_tokens=40 \(overlong='drop' or overlong='truncate'"):

@@ -158,8 +158,9 @@ class TokenConvertConfig:
     overlong: str = checked(one_of(OVERLONG), default="refuse")
     """With ``max_tokens`` (``drop`` and ``truncate`` without it: a ValueError): a longer conversation is refused
     (``refuse``), left out and counted (``drop``), or cut to its first turns that fit, whole, ending with a reply
-    (a message the template trains in a ``{% generation %}`` block, whatever its role: ShareGPT's ``gpt`` too;
-    ``truncate``; counted; dropped when even the first exchange is too long). Never cut mid-turn
+    (the model's: a message the template trains in a ``{% generation %}`` block, of any role but a prompt's,
+    ShareGPT's ``gpt`` too, never a user's; ``truncate``; counted; dropped when even the first exchange is too
+    long). Never cut mid-turn
     (:mod:`fastio.convert.chat_encode`)."""
 
     def __post_init__(self) -> None:
