@@ -7,11 +7,11 @@ the value itself when every label is integral (``2``, ``2.0``, ``" 2"``), else i
 class names, recorded as the label map; a mix is an error unless ``ScanOptions.labels="names"``); every
 other column becomes a field named after the column holding the value as UTF-8 text (JSON for non-strings).
 
-Rows are rejected (skipped and listed, or fatal with ``on_error="fail"``) when their path resolves
-outside the root (``ScanOptions.root``, default the table's folder; symlinks followed, so ``../x``,
-``/etc/passwd`` and a link pointing out are all refused), when their label cell is empty while the
-table has a label column, or when an integer label is negative or does not fit int64
-(:mod:`fastio.formats.labels`).
+Rows are rejected (skipped and listed, or fatal with ``on_error="fail"``) when their path cell is empty or not
+text, when their path resolves outside the root (``ScanOptions.root``, default the table's folder; symlinks
+followed, so ``../x``, ``/etc/passwd`` and a link pointing out are all refused), when it names no file (a missing
+one, a folder, a FIFO), when their label cell is empty while the table has a label column, or when an integer
+label is negative or does not fit int64 (:mod:`fastio.formats.labels`).
 """
 
 from __future__ import annotations
@@ -247,17 +247,17 @@ def _row_label(t: _Layout, row: Row, where: str) -> bytes | Skip:
 
 
 def _row_file(t: _Layout, row: Row, where: str) -> tuple[str, FileRef, str] | Skip:
-    """``(field, FileRef, path value)`` of the file a row's path column names, or the Skip of one outside the root;
-    ConvertError for an empty cell or a missing file."""
+    """``(field, FileRef, path value)`` of the file a row's path column names, or the Skip (a rejected row) of an
+    empty cell, a path outside the root or one naming no file (missing, a folder, a FIFO)."""
     value = row.get(t.path_col)
     if value in (None, "") or not isinstance(value, str):
-        raise ConvertError(f"{where}: path column {t.path_col!r} is empty or not text ({value!r})")
+        return Skip(where, f"path column {t.path_col!r} is empty or not text ({value!r})", error=True)
     path = Path(value) if os.path.isabs(value) else t.root / value
     outside = resolve_inside(path, t.root)
     if outside is not None:
         return Skip(where, f"path column {t.path_col!r}: {value} {outside}", error=True)
     if not path.is_file():
-        raise ConvertError(f"{where}: path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path)}")
+        return Skip(where, f"path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path)}", error=True)
     field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
              or (_sniffed(path) if not path.suffix else None) or safe_field_name(path.suffix.lstrip(".") or "file"))
     return field, FileRef(str(path)), value

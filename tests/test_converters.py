@@ -226,21 +226,23 @@ def test_parquet_null_in_an_image_column_is_a_rejected_row(tmp_path, image_folde
 
 def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
     """A path naming a folder or a FIFO was called `a missing file`, and so was `café.jpg` typed in a table (NFC) for
-    the file a Mac wrote (NFD: the same letters on screen). Each now says what is there."""
+    the file a Mac wrote (NFD: the same letters on screen). Each now says what is there, in the reason of the
+    rejected row (skipped and listed, or the run stopped with on_error="fail": test_hostile_sources.py)."""
     import unicodedata
 
     (tmp_path / "sub").mkdir()
     os.mkfifo(tmp_path / "pipe.jpg")
     (tmp_path / unicodedata.normalize("NFD", "café.jpg")).write_bytes(b"x")
-    cases = {"sub": "t.csv:2: path column 'path' names a folder, not a file: sub",
-             "pipe.jpg": "t.csv:2: path column 'path' names no regular file (a FIFO, socket or device): pipe.jpg",
-             unicodedata.normalize("NFC", "café.jpg"): "t.csv:2: path column 'path' names a missing file: café.jpg "
+    (tmp_path / "ok.jpg").write_bytes(b"x")
+    cases = {"sub": "path column 'path' names a folder, not a file: sub",
+             "pipe.jpg": "path column 'path' names no regular file (a FIFO, socket or device): pipe.jpg",
+             unicodedata.normalize("NFC", "café.jpg"): "path column 'path' names a missing file: café.jpg "
              "(a file whose name differs only in Unicode normalization is there: 'cafe\\u0301.jpg'; rename one)"}
     for value, message in cases.items():
-        (tmp_path / "t.csv").write_text(f"path\n{value}\n")
-        with pytest.raises(ConvertError) as err:
-            converters.scan(tmp_path / "t.csv")
-        assert str(err.value) == message
+        (tmp_path / "t.csv").write_text(f"path\nok.jpg\n{value}\n")
+        result = converters.scan(tmp_path / "t.csv")
+        assert [e.key for e in result.entries] == ["ok"]
+        assert [(s.path, s.reason, s.error) for s in result.skipped] == [("t.csv:3", message, True)]
 
 
 def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):
