@@ -158,6 +158,46 @@ def test_parts_merged_equal_the_whole_conversion_masks_included(tmp_path, option
     assert verify(tmp_path / "ds").ok and len(list((tmp_path / "ds" / "shards").glob("*.mask"))) > 1
 
 
+def test_parts_whose_special_tokens_differ_are_refused_naming_the_token(tmp_path, capsys):
+    """Found by review: the parts of a chat conversion were compared by the tokenizer file's checksum and the
+    template's text alone, so a part converted with a tokenizer_config.json whose bos_token differs (the same
+    tokenizer.json and template: another token rendered at every conversation's start) merged silently, and parts of
+    two tokenizers of one vocabulary size whose special tokens have other ids were refused naming only two
+    checksums. A merge now refuses both in one line naming the parts and the token that differs."""
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    chat_tokenizer(tmp_path / "swapped.json", ("<|im_end|>", "<|im_start|>", "<s>"))  # 400 ids too, two swapped
+    config = chat_config(tmp_path / "tokenizer_config.json")
+    other_bos = tmp_path / "other" / "tokenizer_config.json"
+    other_bos.parent.mkdir()
+    other_bos.write_text(json.dumps({**json.loads(config.read_text()), "bos_token": "<|im_start|>"}))
+    write_chats(tmp_path / "chats.jsonl", conversations(20))
+    cases = [((tmp_path / "tokenizer.json", other_bos), "the chat template's bos_token '<|im_start|>' (part 0: '<s>')"),
+             ((tmp_path / "swapped.json", config), "special token '<|im_start|>' id 2 (part 0: id 1)")]
+    for i, ((tok, template), named) in enumerate(cases):
+        dest = tmp_path / f"ds{i}"
+        for k, (t, c) in enumerate([(tmp_path / "tokenizer.json", config), (tok, template)]):
+            convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", dest, t, chat_template=c, workers=1,
+                                              part=(k, 2)))
+        code, _, err = run_cli(["merge", str(dest)], capsys)
+        assert code == 2 and err.count("\n") == 1 and "part-0-of-2: part-1-of-2:" in err and named in err, err
+        assert not (dest / "manifest.json").exists() and (dest / ".parts").is_dir()
+    padded = tmp_path / "padded" / "tokenizer_config.json"  # a token the template never renders: the same ids
+    padded.parent.mkdir()
+    padded.write_text(json.dumps({**json.loads(config.read_text()), "pad_token": "<|im_end|>"}))
+    (tmp_path / "t.jinja").write_text(CHATML)  # its bos and eos filled in from the tokenizer: the config's
+    for k, c in enumerate([padded, tmp_path / "t.jinja"]):
+        convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "ds2", tmp_path / "tokenizer.json",
+                                          chat_template=c, workers=1, part=(k, 2)))
+    code, _, err = run_cli(["merge", str(tmp_path / "ds2")], capsys)
+    assert code == 0, err
+    record = tmp_path / "ds0" / ".parts" / "part-1-of-2" / "part.json"  # a part converted before they were recorded
+    data = json.loads(record.read_text())
+    del data["plan"]["tokens"]["special_tokens"], data["plan"]["tokens"]["chat"]["variables"]
+    record.write_text(json.dumps(data))
+    code, _, err = run_cli(["merge", str(tmp_path / "ds0")], capsys)
+    assert code == 0, err
+
+
 def _first_turns_that_fit(hf, chat, limit, template=CHATML, reply="assistant"):
     """The reference for overlong='truncate': transformers' ids and mask of the longest run of first messages that
     ends with an assistant reply (role ``reply``) and fits ``limit`` tokens (None: none does)."""

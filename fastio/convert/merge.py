@@ -40,7 +40,7 @@ from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.image_text import refuse_untrained
 from fastio.convert.parts import PARTS_DIR, PartRecord, parse_part_dir, part_dir, part_name, read_part_record
 from fastio.convert.token_convert import TOKEN_PLAN
-from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command
+from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command, special_token_differences
 from fastio.convert.wds_index import INDEX_PLAN, merge_index_parts
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
@@ -269,17 +269,19 @@ def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:
         diff = [key for key in sorted(set(plans[0]) | set(plans[1])) if plans[0].get(key) != plans[1].get(key)]
         if sorted(record.datasets) != sorted(ref.datasets):
             diff.append("splits")
-        if diff:
-            detail = []
-            for key in diff:
-                if key in ("convert_options", "tokens"):  # the options (a token conversion's: eos, tokenizer_sha256)
-                    a, b = plans[0].get(key) or {}, plans[1].get(key) or {}
-                    detail += [f"{o} {b.get(o)!r} (part 0: {a.get(o)!r})" for o in sorted(set(a) | set(b))
-                               if a.get(o) != b.get(o)]
-                elif key == "listing":
-                    detail.append("source listing (the source changed between the parts' scans)")
-                else:
-                    detail.append(key)
+        detail = []
+        for key in diff:
+            if key in ("convert_options", "tokens"):  # the options (a token conversion's: eos, tokenizer_sha256)
+                a, b = plans[0].get(key) or {}, plans[1].get(key) or {}
+                detail += [f"{o} {b.get(o)!r} (part 0: {a.get(o)!r})" for o in sorted(set(a) | set(b))
+                           if a.get(o) != b.get(o)]
+            elif key == "listing":
+                detail.append("source listing (the source changed between the parts' scans)")
+            else:
+                detail.append(key)
+        if record.plan.get("kind") == TOKEN_PLAN:
+            detail += special_token_differences(ref.plan, record.plan)
+        if detail:
             problems.append(f"{part_name(record.part, record.of)}: {', '.join(detail)}")
     if problems:
         raise ConvertError(f"{dest}: parts were not made from the same source, options and seed as "
