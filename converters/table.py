@@ -22,6 +22,7 @@ import os
 import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,15 @@ from fastio.formats.labels import check_label, choose_label_rule, integral_text,
 from fastio.formats.media import media_field_for_suffix
 from fastio.words import count
 
-__all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
+__all__ = ["NAMES", "SUFFIXES", "detect", "file_path_column", "read_rows", "rows_to_result", "scan"]
 
 NAMES = ("csv", "jsonl")
 SUFFIXES = {".csv": "csv", ".tsv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 PATH_COLUMNS = ("path", "file", "filename", "file_name", "filepath", "image_path", "image", "img")
 LABEL_COLUMNS = ("label", "class", "cls")
 KEY_COLUMNS = ("__key__", "key")
+PATHS_PROBED = 100
+"""How many of a Parquet's path-like values :func:`file_path_column` looks at for one naming a file."""
 
 Row = dict[str, Any]
 
@@ -149,6 +152,28 @@ def _pick(source: Path, columns: list[str], given: str | None, candidates: Itera
         if name in lower:
             return lower[name]
     return None
+
+
+def file_path_column(rows: list[tuple[int, Row]], columns: list[str], source: Path, options: ScanOptions
+                     ) -> str | None:
+    """The path column of a table that need not have one (a Parquet without a bytes column): the one ``path_column``
+    names, else the first column named as a path column (:data:`PATH_COLUMNS`) where one of its first
+    :data:`PATHS_PROBED` values names a file (inside the root or not: a row whose path resolves outside, or names no
+    file, is rejected, named); None where none does (such a column holds text: a code dataset's repository paths)."""
+    name = _pick(source, columns, options.path_column, PATH_COLUMNS, "path")
+    if options.path_column is not None or name is None:
+        return name
+    root = Path(options.root) if options.root is not None else source.parent
+    values = (row.get(name) for _, row in rows)
+    probed = islice((v for v in values if isinstance(v, str) and v), PATHS_PROBED)
+    return name if any(_names_a_file(root, v) for v in probed) else None
+
+
+def _names_a_file(root: Path, value: str) -> bool:
+    try:
+        return (Path(value) if os.path.isabs(value) else root / value).is_file()
+    except (ValueError, OSError):  # a NUL in the name
+        return False
 
 
 def _text(value: Any, where: str, col: str) -> bytes:

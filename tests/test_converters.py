@@ -125,6 +125,36 @@ def test_parquet_bytes_columns_become_fields(tmp_path, image_folder):
     assert fields_of(result.entries[4]) == {"jpg": files[4].read_bytes(), "n": b"4"}
 
 
+def test_a_parquet_of_image_paths_reads_its_images(tmp_path, image_folder):
+    """Found by review: a Parquet of image paths and labels (no bytes column) was converted with its paths as text and
+    no image at all, saying nothing (a path column was read only when named). A Parquet without a column of encoded
+    files (images, video, audio; other bytes, a mask, may be there) takes
+    its path column as CSV does (``path``, ``file``, ``image``, ...) where one of its first 100 paths names a file;
+    a column of that name whose values name none (a code dataset's repository paths) stays text."""
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    names = [p.relative_to(image_folder).as_posix() for p in files]
+    masks = pa.array([b"\x00", b"\x01", b"\x02", b"\x03"], pa.binary())  # bytes, but of no image: paths still read
+    pq.write_table(pa.table({"path": ["gone.jpg", *names], "label": [1, 0, 1, 0], "mask": masks}),
+                   image_folder / "t.parquet")
+    result = converters.scan(image_folder / "t.parquet")
+    assert result.image_field == "jpg" and result.description["options"]["path_column"] == "path"
+    assert [fields_of(e) for e in result.entries] == [{"jpg": FileRef(str(p)), "cls": c, "mask": m} for p, c, m in
+                                                      zip(files, [b"0", b"1", b"0"], [b"\x01", b"\x02", b"\x03"])]
+    assert [(s.path, s.reason) for s in result.skipped] == [
+        ("t.parquet:1", "path column 'path' names a missing file: gone.jpg")]  # the first: the column is still paths
+    (tmp_path / "meta").mkdir()  # absolute paths outside the table's folder: rows rejected, named, never text
+    pq.write_table(pa.table({"path": [str(p) for p in files], "label": [0, 1, 0]}), tmp_path / "meta" / "t.parquet")
+    with pytest.raises(ConvertError, match=r"t.parquet:1: path column 'path': .*circle_0000.jpg resolves outside"):
+        converters.scan(tmp_path / "meta" / "t.parquet")
+    pq.write_table(pa.table({"path": ["a\0b", "src/a.py"], "content": ["x = 1", "y = 2"]}), tmp_path / "c.parquet")
+    assert converters.scan(tmp_path / "c.parquet").entries[0].fields == (("content", b"x = 1"), ("path", b"a\0b"))
+    pq.write_table(pa.table({"path": ["src/a.py", "lib/b.py"], "content": ["x = 1", "y = 2"]}), tmp_path / "c.parquet")
+    result = converters.scan(tmp_path / "c.parquet")
+    assert [fields_of(e) for e in result.entries] == [{"path": b"src/a.py", "content": b"x = 1"},
+                                                      {"path": b"lib/b.py", "content": b"y = 2"}]
+    assert "path_column" not in result.description["options"] and not result.skipped
+
+
 def test_files_grouped_by_basename(tmp_path, image_folder):
     src = tmp_path / "loose"
     (src / "sub").mkdir(parents=True)

@@ -305,7 +305,7 @@ def test_table_rows_naming_no_file_follow_on_error(tmp_path, image_folder, capsy
 
         pq.write_table(pa.table(data), table)
     first = 2 if kind == "csv" else 1  # the CSV's header is its line 1; a JSONL's line, a Parquet's row from 1
-    given = ["--workers", "1"] + (["--path-column", "path"] if kind == "parquet" else [])  # a Parquet's: if named
+    given = ["--workers", "1"]
     code, out, err = run_cli(["convert", str(table), str(tmp_path / "out"), *given], capsys)
     assert code == 0, err
     want = {f"t.{kind}:{first + 1}": "path column 'path' names a missing file: circle/gone.jpg",
