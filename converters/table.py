@@ -282,7 +282,8 @@ def _row_file(t: _Layout, row: Row, where: str) -> tuple[str, FileRef, str] | Sk
     if outside is not None:
         return Skip(where, f"path column {t.path_col!r}: {value} {outside}", error=True)
     if not path.is_file():
-        return Skip(where, f"path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path)}", error=True)
+        return Skip(where, f"path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path, value, t.root)}",
+                    error=True)
     field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
              or (_sniffed(path) if not path.suffix else None) or safe_field_name(path.suffix.lstrip(".") or "file"))
     return field, FileRef(str(path)), value
@@ -305,9 +306,13 @@ def _no_file(path: Path) -> str:
     return "names no regular file (a FIFO, socket or device)" if path.exists() else "names a missing file"
 
 
-def _other_form(path: Path) -> str:
-    """A hint where a file whose name differs from ``path``'s only in Unicode normalization is there (``café`` typed
-    as one code point, written by a Mac as ``e`` and a combining accent): the two look the same in a message."""
+def _other_form(path: Path, value: str, root: Path) -> str:
+    """A hint where a file whose name differs from ``path``'s (``value`` in the table, from ``root``) only in blanks
+    around it (``a.jpg `` in a hand-written CSV) or in Unicode normalization (``café`` typed as one code point, written
+    by a Mac as ``e`` and a combining accent) is there: the two look the same in a message."""
+    bare = value.strip()
+    if bare and bare != value and (Path(bare) if os.path.isabs(bare) else root / bare).is_file():
+        return f" (the cell's name has blanks around it, {value!r}, and a file named without them is there: {bare!r})"
     for form in ("NFC", "NFD"):
         other = path.with_name(unicodedata.normalize(form, path.name))
         if other.name != path.name and other.is_file():

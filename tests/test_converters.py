@@ -256,7 +256,8 @@ def test_parquet_null_in_an_image_column_is_a_rejected_row(tmp_path, image_folde
 
 def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
     """A path naming a folder or a FIFO was called `a missing file`, and so was `café.jpg` typed in a table (NFC) for
-    the file a Mac wrote (NFD: the same letters on screen). Each now says what is there, in the reason of the
+    the file a Mac wrote (NFD: the same letters on screen), and `ok.jpg ` (a blank after it in a hand-written CSV)
+    where `ok.jpg` is there, the blank unseen in the message. Each now says what is there, in the reason of the
     rejected row (skipped and listed, or the run stopped with on_error="fail": test_hostile_sources.py)."""
     import unicodedata
 
@@ -267,7 +268,9 @@ def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
     cases = {"sub": "path column 'path' names a folder, not a file: sub",
              "pipe.jpg": "path column 'path' names no regular file (a FIFO, socket or device): pipe.jpg",
              unicodedata.normalize("NFC", "café.jpg"): "path column 'path' names a missing file: café.jpg "
-             "(a file whose name differs only in Unicode normalization is there: 'cafe\\u0301.jpg'; rename one)"}
+             "(a file whose name differs only in Unicode normalization is there: 'cafe\\u0301.jpg'; rename one)",
+             "ok.jpg ": "path column 'path' names a missing file: ok.jpg  (the cell's name has blanks around it, "
+             "'ok.jpg ', and a file named without them is there: 'ok.jpg')"}
     for value, message in cases.items():
         (tmp_path / "t.csv").write_text(f"path\nok.jpg\n{value}\n")
         result = converters.scan(tmp_path / "t.csv")
