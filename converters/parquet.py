@@ -6,18 +6,22 @@ stores images) holding an encoded image, video or audio file holds a field named
 column of WAV, FLAC, Opus and MP3 rows gives each its own field; a value of no known type takes the first known
 one's (so it is probed, and skipped, named, when it is not one), wherever it is in the column; a null in it
 (an image missing) is a rejected row.
-Any other bytes column keeps its (sanitised) name. A path column is optional.
+Any other bytes column keeps its (sanitised) name. A path column is optional: one named by ``path_column``, or,
+in a table without a column of encoded files, a column named as CSV's path column is (``path``, ``file``, ...)
+where one of its first paths names a file (:func:`~fastio.converters.table.file_path_column`; a column of
+repository paths naming no file stays text).
 Keys come from a ``key`` column, else from the ``path`` of such a struct, else from the row number.
 The bytes are read into memory at scan time.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from fastio.converters.base import ScanOptions, ScanResult, Skip, main_image_field, safe_field_name, sniff_field
-from fastio.converters.table import rows_to_result
+from fastio.converters.table import file_path_column, rows_to_result
 from fastio.errors import ConvertError
 
 __all__ = ["NAME", "detect", "scan"]
@@ -98,6 +102,8 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
         for (_, row), name in zip(rows, named):
             row["__key__"] = name
         columns = [*columns, "__key__"]
+    if not typed:  # no column of encoded files: a table of paths, whose files are read as a CSV's are
+        options = replace(options, path_column=file_path_column(rows, columns, source, options))
     result = rows_to_result(rows, columns, source=source, fmt=NAME, options=options, require_path=False,
                             bytes_columns=bytes_columns, typed=typed)
     refused = {skip.path for skip in by_path}  # rows kept their numbers (keys): their entries and skips go now

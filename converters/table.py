@@ -7,11 +7,11 @@ the value itself when every label is integral (``2``, ``2.0``, ``" 2"``), else i
 class names, recorded as the label map; a mix is an error unless ``ScanOptions.labels="names"``); every
 other column becomes a field named after the column holding the value as UTF-8 text (JSON for non-strings).
 
-Rows are rejected (skipped and listed, or fatal with ``on_error="fail"``) when their path resolves
-outside the root (``ScanOptions.root``, default the table's folder; symlinks followed, so ``../x``,
-``/etc/passwd`` and a link pointing out are all refused), when their label cell is empty while the
-table has a label column, or when an integer label is negative or does not fit int64
-(:mod:`fastio.formats.labels`).
+Rows are rejected (skipped and listed, or fatal with ``on_error="fail"``) when their path cell is empty or not
+text, when their path resolves outside the root (``ScanOptions.root``, default the table's folder; symlinks
+followed, so ``../x``, ``/etc/passwd`` and a link pointing out are all refused), when it names no file (a missing
+one, a folder, a FIFO), when their label cell is empty while the table has a label column, or when an integer
+label is negative or does not fit int64 (:mod:`fastio.formats.labels`).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import unicodedata
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -44,13 +45,15 @@ from fastio.formats.labels import check_label, choose_label_rule, integral_text,
 from fastio.formats.media import media_field_for_suffix
 from fastio.words import count
 
-__all__ = ["NAMES", "SUFFIXES", "detect", "read_rows", "rows_to_result", "scan"]
+__all__ = ["NAMES", "SUFFIXES", "detect", "file_path_column", "read_rows", "rows_to_result", "scan"]
 
 NAMES = ("csv", "jsonl")
 SUFFIXES = {".csv": "csv", ".tsv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 PATH_COLUMNS = ("path", "file", "filename", "file_name", "filepath", "image_path", "image", "img")
 LABEL_COLUMNS = ("label", "class", "cls")
 KEY_COLUMNS = ("__key__", "key")
+PATHS_PROBED = 100
+"""How many of a Parquet's path-like values :func:`file_path_column` looks at for one naming a file."""
 
 Row = dict[str, Any]
 
@@ -151,6 +154,28 @@ def _pick(source: Path, columns: list[str], given: str | None, candidates: Itera
     return None
 
 
+def file_path_column(rows: list[tuple[int, Row]], columns: list[str], source: Path, options: ScanOptions
+                     ) -> str | None:
+    """The path column of a table that need not have one (a Parquet without a bytes column): the one ``path_column``
+    names, else the first column named as a path column (:data:`PATH_COLUMNS`) where one of its first
+    :data:`PATHS_PROBED` values names a file (inside the root or not: a row whose path resolves outside, or names no
+    file, is rejected, named); None where none does (such a column holds text: a code dataset's repository paths)."""
+    name = _pick(source, columns, options.path_column, PATH_COLUMNS, "path")
+    if options.path_column is not None or name is None:
+        return name
+    root = Path(options.root) if options.root is not None else source.parent
+    values = (row.get(name) for _, row in rows)
+    probed = islice((v for v in values if isinstance(v, str) and v), PATHS_PROBED)
+    return name if any(_names_a_file(root, v) for v in probed) else None
+
+
+def _names_a_file(root: Path, value: str) -> bool:
+    try:
+        return (Path(value) if os.path.isabs(value) else root / value).is_file()
+    except (ValueError, OSError):  # a NUL in the name
+        return False
+
+
 def _text(value: Any, where: str, col: str) -> bytes:
     """A text column's cell as stored: the text, else its JSON (a timestamp's or decimal's text inside it); a
     ConvertError naming the row and column for bytes inside a list or struct, which JSON cannot hold."""
@@ -247,17 +272,18 @@ def _row_label(t: _Layout, row: Row, where: str) -> bytes | Skip:
 
 
 def _row_file(t: _Layout, row: Row, where: str) -> tuple[str, FileRef, str] | Skip:
-    """``(field, FileRef, path value)`` of the file a row's path column names, or the Skip of one outside the root;
-    ConvertError for an empty cell or a missing file."""
+    """``(field, FileRef, path value)`` of the file a row's path column names, or the Skip (a rejected row) of an
+    empty cell, a path outside the root or one naming no file (missing, a folder, a FIFO)."""
     value = row.get(t.path_col)
     if value in (None, "") or not isinstance(value, str):
-        raise ConvertError(f"{where}: path column {t.path_col!r} is empty or not text ({value!r})")
+        return Skip(where, f"path column {t.path_col!r} is empty or not text ({value!r})", error=True)
     path = Path(value) if os.path.isabs(value) else t.root / value
     outside = resolve_inside(path, t.root)
     if outside is not None:
         return Skip(where, f"path column {t.path_col!r}: {value} {outside}", error=True)
     if not path.is_file():
-        raise ConvertError(f"{where}: path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path)}")
+        return Skip(where, f"path column {t.path_col!r} {_no_file(path)}: {value}{_other_form(path, value, t.root)}",
+                    error=True)
     field = (image_field_for_suffix(path.suffix) or media_field_for_suffix(path.suffix)
              or (_sniffed(path) if not path.suffix else None) or safe_field_name(path.suffix.lstrip(".") or "file"))
     return field, FileRef(str(path)), value
@@ -280,9 +306,13 @@ def _no_file(path: Path) -> str:
     return "names no regular file (a FIFO, socket or device)" if path.exists() else "names a missing file"
 
 
-def _other_form(path: Path) -> str:
-    """A hint where a file whose name differs from ``path``'s only in Unicode normalization is there (``café`` typed
-    as one code point, written by a Mac as ``e`` and a combining accent): the two look the same in a message."""
+def _other_form(path: Path, value: str, root: Path) -> str:
+    """A hint where a file whose name differs from ``path``'s (``value`` in the table, from ``root``) only in blanks
+    around it (``a.jpg `` in a hand-written CSV) or in Unicode normalization (``café`` typed as one code point, written
+    by a Mac as ``e`` and a combining accent) is there: the two look the same in a message."""
+    bare = value.strip()
+    if bare and bare != value and (Path(bare) if os.path.isabs(bare) else root / bare).is_file():
+        return f" (the cell's name has blanks around it, {value!r}, and a file named without them is there: {bare!r})"
     for form in ("NFC", "NFD"):
         other = path.with_name(unicodedata.normalize(form, path.name))
         if other.name != path.name and other.is_file():

@@ -158,6 +158,46 @@ def test_parts_merged_equal_the_whole_conversion_masks_included(tmp_path, option
     assert verify(tmp_path / "ds").ok and len(list((tmp_path / "ds" / "shards").glob("*.mask"))) > 1
 
 
+def test_parts_whose_special_tokens_differ_are_refused_naming_the_token(tmp_path, capsys):
+    """Found by review: the parts of a chat conversion were compared by the tokenizer file's checksum and the
+    template's text alone, so a part converted with a tokenizer_config.json whose bos_token differs (the same
+    tokenizer.json and template: another token rendered at every conversation's start) merged silently, and parts of
+    two tokenizers of one vocabulary size whose special tokens have other ids were refused naming only two
+    checksums. A merge now refuses both in one line naming the parts and the token that differs."""
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    chat_tokenizer(tmp_path / "swapped.json", ("<|im_end|>", "<|im_start|>", "<s>"))  # 400 ids too, two swapped
+    config = chat_config(tmp_path / "tokenizer_config.json")
+    other_bos = tmp_path / "other" / "tokenizer_config.json"
+    other_bos.parent.mkdir()
+    other_bos.write_text(json.dumps({**json.loads(config.read_text()), "bos_token": "<|im_start|>"}))
+    write_chats(tmp_path / "chats.jsonl", conversations(20))
+    cases = [((tmp_path / "tokenizer.json", other_bos), "the chat template's bos_token '<|im_start|>' (part 0: '<s>')"),
+             ((tmp_path / "swapped.json", config), "special token '<|im_start|>' id 2 (part 0: id 1)")]
+    for i, ((tok, template), named) in enumerate(cases):
+        dest = tmp_path / f"ds{i}"
+        for k, (t, c) in enumerate([(tmp_path / "tokenizer.json", config), (tok, template)]):
+            convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", dest, t, chat_template=c, workers=1,
+                                              part=(k, 2)))
+        code, _, err = run_cli(["merge", str(dest)], capsys)
+        assert code == 2 and err.count("\n") == 1 and "part-0-of-2: part-1-of-2:" in err and named in err, err
+        assert not (dest / "manifest.json").exists() and (dest / ".parts").is_dir()
+    padded = tmp_path / "padded" / "tokenizer_config.json"  # a token the template never renders: the same ids
+    padded.parent.mkdir()
+    padded.write_text(json.dumps({**json.loads(config.read_text()), "pad_token": "<|im_end|>"}))
+    (tmp_path / "t.jinja").write_text(CHATML)  # its bos and eos filled in from the tokenizer: the config's
+    for k, c in enumerate([padded, tmp_path / "t.jinja"]):
+        convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "ds2", tmp_path / "tokenizer.json",
+                                          chat_template=c, workers=1, part=(k, 2)))
+    code, _, err = run_cli(["merge", str(tmp_path / "ds2")], capsys)
+    assert code == 0, err
+    record = tmp_path / "ds0" / ".parts" / "part-1-of-2" / "part.json"  # a part converted before they were recorded
+    data = json.loads(record.read_text())
+    del data["plan"]["tokens"]["special_tokens"], data["plan"]["tokens"]["chat"]["variables"]
+    record.write_text(json.dumps(data))
+    code, _, err = run_cli(["merge", str(tmp_path / "ds0")], capsys)
+    assert code == 0, err
+
+
 def _first_turns_that_fit(hf, chat, limit, template=CHATML, reply="assistant"):
     """The reference for overlong='truncate': transformers' ids and mask of the longest run of first messages that
     ends with an assistant reply (role ``reply``) and fits ``limit`` tokens (None: none does)."""
@@ -225,6 +265,40 @@ def test_truncate_keeps_the_first_turns_of_conversations_in_sharegpt_roles(tmp_p
         if cut is not None:
             want.append(cut if train_on == "generation" else (cut[0], [1] * len(cut[0])))
     assert truncated > 0 and result.documents == len(want)
+    assert stored_conversations(tmp_path / "chat") == want
+    source = load_manifest(tmp_path / "chat").converted_from
+    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+
+
+ALL_TURNS = CHATML.replace("{% if message['role'] == 'assistant' %}", "{% if true %}")
+"""ChatML that trains every turn: the user's and the system's inside a {% generation %} block too."""
+
+
+def test_truncate_ends_on_the_models_reply_under_a_template_that_trains_user_turns(tmp_path):
+    """Found by review: overlong='truncate' cut after any message the template renders inside a {% generation %}
+    block, so under a template that trains the user's turns too a truncated conversation could end on a user
+    message, a prompt with no reply after it. A cut now ends after a reply of the model's (a trained message of a
+    role that is not a prompt's: not user, human, system, developer, tool...); none that fits: dropped, counted."""
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    limit = 80
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    config = chat_config(tmp_path / "tokenizer_config.json", ALL_TURNS)
+    long_reply = [{"role": "user", "content": "alpha"}, {"role": "assistant", "content": "beta gamma " * 60},
+                  {"role": "user", "content": "delta"}, {"role": "assistant", "content": "eta"}]
+    chats = [*conversations(30, 0), long_reply]  # only its first user turn fits: dropped, never kept alone
+    write_chats(tmp_path / "chats.jsonl", chats)
+    result = convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "chat", tmp_path / "tokenizer.json",
+                                               chat_template=config, workers=1, max_tokens=limit,
+                                               overlong="truncate"))
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
+    want, dropped, truncated = [], 0, 0
+    for chat in chats:
+        full = hf_ids_and_mask(hf, ALL_TURNS, chat)
+        cut = full if len(full[0]) <= limit else _first_turns_that_fit(hf, chat, limit, ALL_TURNS)
+        dropped, truncated = dropped + (cut is None), truncated + (cut is not None and cut is not full)
+        if cut is not None:
+            want.append(cut)
+    assert truncated > 0 and dropped > 0 and result.documents == len(want)
     assert stored_conversations(tmp_path / "chat") == want
     source = load_manifest(tmp_path / "chat").converted_from
     assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)

@@ -44,8 +44,9 @@ CASES = {
     "unreadable parquet": lambda t, f: ([str(table(t, "t.parquet", "PAR1 no")), str(t / "out")],
                                         ["t.parquet: unreadable table"]),
     "path column names missing file": lambda t, f: (
-        [str(table(f.parent, "t.csv", "path,label\nsrc/circle/circle_0000.jpg,a\nsrc/gone.jpg,b\n")), str(t / "out")],
-        ["t.csv:3: path column 'path' names a missing file: src/gone.jpg"]),
+        [str(table(f.parent, "t.csv", "path,label\nsrc/circle/circle_0000.jpg,a\nsrc/gone.jpg,b\n")), str(t / "out"),
+         "--on-error", "fail"],
+        ["t.csv:3: path column 'path' names a missing file: src/gone.jpg (--on-error fail)"]),
     "no path column": lambda t, f: ([str(table(t, "t.csv", "name,label\na,1\n")), str(t / "out")],
                                     ["t.csv: no path column", "--path-column"]),
     "bad shard size": lambda t, f: ([str(f), str(t / "out"), "--shard-size", "lots"], ["--shard-size", "'lots'"]),

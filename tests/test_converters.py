@@ -125,6 +125,36 @@ def test_parquet_bytes_columns_become_fields(tmp_path, image_folder):
     assert fields_of(result.entries[4]) == {"jpg": files[4].read_bytes(), "n": b"4"}
 
 
+def test_a_parquet_of_image_paths_reads_its_images(tmp_path, image_folder):
+    """Found by review: a Parquet of image paths and labels (no bytes column) was converted with its paths as text and
+    no image at all, saying nothing (a path column was read only when named). A Parquet without a column of encoded
+    files (images, video, audio; other bytes, a mask, may be there) takes
+    its path column as CSV does (``path``, ``file``, ``image``, ...) where one of its first 100 paths names a file;
+    a column of that name whose values name none (a code dataset's repository paths) stays text."""
+    files = sorted(image_folder.rglob("*.jpg"))[:3]
+    names = [p.relative_to(image_folder).as_posix() for p in files]
+    masks = pa.array([b"\x00", b"\x01", b"\x02", b"\x03"], pa.binary())  # bytes, but of no image: paths still read
+    pq.write_table(pa.table({"path": ["gone.jpg", *names], "label": [1, 0, 1, 0], "mask": masks}),
+                   image_folder / "t.parquet")
+    result = converters.scan(image_folder / "t.parquet")
+    assert result.image_field == "jpg" and result.description["options"]["path_column"] == "path"
+    assert [fields_of(e) for e in result.entries] == [{"jpg": FileRef(str(p)), "cls": c, "mask": m} for p, c, m in
+                                                      zip(files, [b"0", b"1", b"0"], [b"\x01", b"\x02", b"\x03"])]
+    assert [(s.path, s.reason) for s in result.skipped] == [
+        ("t.parquet:1", "path column 'path' names a missing file: gone.jpg")]  # the first: the column is still paths
+    (tmp_path / "meta").mkdir()  # absolute paths outside the table's folder: rows rejected, named, never text
+    pq.write_table(pa.table({"path": [str(p) for p in files], "label": [0, 1, 0]}), tmp_path / "meta" / "t.parquet")
+    with pytest.raises(ConvertError, match=r"t.parquet:1: path column 'path': .*circle_0000.jpg resolves outside"):
+        converters.scan(tmp_path / "meta" / "t.parquet")
+    pq.write_table(pa.table({"path": ["a\0b", "src/a.py"], "content": ["x = 1", "y = 2"]}), tmp_path / "c.parquet")
+    assert converters.scan(tmp_path / "c.parquet").entries[0].fields == (("content", b"x = 1"), ("path", b"a\0b"))
+    pq.write_table(pa.table({"path": ["src/a.py", "lib/b.py"], "content": ["x = 1", "y = 2"]}), tmp_path / "c.parquet")
+    result = converters.scan(tmp_path / "c.parquet")
+    assert [fields_of(e) for e in result.entries] == [{"path": b"src/a.py", "content": b"x = 1"},
+                                                      {"path": b"lib/b.py", "content": b"y = 2"}]
+    assert "path_column" not in result.description["options"] and not result.skipped
+
+
 def test_files_grouped_by_basename(tmp_path, image_folder):
     src = tmp_path / "loose"
     (src / "sub").mkdir(parents=True)
@@ -226,21 +256,26 @@ def test_parquet_null_in_an_image_column_is_a_rejected_row(tmp_path, image_folde
 
 def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
     """A path naming a folder or a FIFO was called `a missing file`, and so was `café.jpg` typed in a table (NFC) for
-    the file a Mac wrote (NFD: the same letters on screen). Each now says what is there."""
+    the file a Mac wrote (NFD: the same letters on screen), and `ok.jpg ` (a blank after it in a hand-written CSV)
+    where `ok.jpg` is there, the blank unseen in the message. Each now says what is there, in the reason of the
+    rejected row (skipped and listed, or the run stopped with on_error="fail": test_hostile_sources.py)."""
     import unicodedata
 
     (tmp_path / "sub").mkdir()
     os.mkfifo(tmp_path / "pipe.jpg")
     (tmp_path / unicodedata.normalize("NFD", "café.jpg")).write_bytes(b"x")
-    cases = {"sub": "t.csv:2: path column 'path' names a folder, not a file: sub",
-             "pipe.jpg": "t.csv:2: path column 'path' names no regular file (a FIFO, socket or device): pipe.jpg",
-             unicodedata.normalize("NFC", "café.jpg"): "t.csv:2: path column 'path' names a missing file: café.jpg "
-             "(a file whose name differs only in Unicode normalization is there: 'cafe\\u0301.jpg'; rename one)"}
+    (tmp_path / "ok.jpg").write_bytes(b"x")
+    cases = {"sub": "path column 'path' names a folder, not a file: sub",
+             "pipe.jpg": "path column 'path' names no regular file (a FIFO, socket or device): pipe.jpg",
+             unicodedata.normalize("NFC", "café.jpg"): "path column 'path' names a missing file: café.jpg "
+             "(a file whose name differs only in Unicode normalization is there: 'cafe\\u0301.jpg'; rename one)",
+             "ok.jpg ": "path column 'path' names a missing file: ok.jpg  (the cell's name has blanks around it, "
+             "'ok.jpg ', and a file named without them is there: 'ok.jpg')"}
     for value, message in cases.items():
-        (tmp_path / "t.csv").write_text(f"path\n{value}\n")
-        with pytest.raises(ConvertError) as err:
-            converters.scan(tmp_path / "t.csv")
-        assert str(err.value) == message
+        (tmp_path / "t.csv").write_text(f"path\nok.jpg\n{value}\n")
+        result = converters.scan(tmp_path / "t.csv")
+        assert [e.key for e in result.entries] == ["ok"]
+        assert [(s.path, s.reason, s.error) for s in result.skipped] == [("t.csv:3", message, True)]
 
 
 def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):

@@ -284,6 +284,43 @@ def test_table_paths_must_resolve_inside_the_root(tmp_path, image_folder):
         convert(ConvertConfig(source=table, dest=tmp_path / "fail", on_error="fail", workers=1))
 
 
+@pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet"])
+def test_table_rows_naming_no_file_follow_on_error(tmp_path, image_folder, capsys, kind):
+    """Found by review: a table row whose path names a missing file (or a folder, or an empty cell) stopped the run
+    whatever --on-error said, while a row whose path resolves outside the root, or whose label is bad, was skipped
+    and listed. Such a row is now rejected by the one rule of every rejected input: skipped, listed in the manifest
+    and named in the summary (--on-error skip, the default), or the run stops in one line naming the table, the
+    row and the path (--on-error fail)."""
+    (image_folder / "sub").mkdir()
+    rows = [("circle/circle_0000.jpg", 0), ("circle/gone.jpg", 0), ("sub", 1), ("", 1), ("square/square_0000.jpg", 2)]
+    data = {"path": [p for p, _ in rows], "label": [label for _, label in rows]}
+    table = image_folder / f"t.{kind}"
+    if kind == "csv":
+        table.write_text("path,label\n" + "".join(f"{p},{label}\n" for p, label in rows))
+    elif kind == "jsonl":
+        table.write_text("".join(json.dumps({"path": p, "label": label}) + "\n" for p, label in rows))
+    else:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.table(data), table)
+    first = 2 if kind == "csv" else 1  # the CSV's header is its line 1; a JSONL's line, a Parquet's row from 1
+    given = ["--workers", "1"]
+    code, out, err = run_cli(["convert", str(table), str(tmp_path / "out"), *given], capsys)
+    assert code == 0, err
+    want = {f"t.{kind}:{first + 1}": "path column 'path' names a missing file: circle/gone.jpg",
+            f"t.{kind}:{first + 2}": "path column 'path' names a folder, not a file: sub",
+            f"t.{kind}:{first + 3}": "path column 'path' is empty or not text ('')"}
+    assert skipped_of(tmp_path / "out") == want
+    assert Dataset(tmp_path / "out").table.keys == ["circle/circle_0000", "square/square_0000"]
+    assert "skipped 3" in out + err and all(f"{where}: {reason}" in out + err for where, reason in want.items())
+    code, out, err = run_cli(["convert", str(table), str(tmp_path / "fail"), "--on-error", "fail", *given], capsys)
+    assert code == 2 and err.count("\n") == 1, err
+    assert (f"t.{kind}:{first + 1}: path column 'path' names a missing file: circle/gone.jpg (--on-error fail)"
+            in err), err
+    assert not (tmp_path / "fail").exists()
+
+
 def test_root_names_where_paths_start_and_must_stay(tmp_path, image_folder, capsys):
     meta = tmp_path / "meta"
     meta.mkdir()

@@ -129,6 +129,32 @@ def test_parts_then_merge_are_byte_equal_to_one_conversion(tmp_path):
         assert filecmp.cmp(tmp_path / "whole" / rel, tmp_path / "merged" / rel, shallow=False), rel
 
 
+def test_parts_rendered_with_other_special_tokens_are_refused_naming_the_token(tmp_path, capsys):
+    """Found by review (as for chat parts, test_chat_convert.py): a part converted with a tokenizer_config.json whose
+    bos_token differs, the tokenizer and template the same, merged silently. The manifest's
+    convert_options.image_text now records the special tokens the template is rendered with; parts that differ in
+    one are refused in one line naming it."""
+    src = image_text_source(tmp_path)
+    other = tmp_path / "other" / "tokenizer_config.json"
+    other.parent.mkdir()
+    other.write_text(json.dumps({**json.loads(src["config"].read_text()), "bos_token": "<|im_start|>"}))
+    _convert(src, tmp_path / "p", part=(0, 2))
+    convert_image_text(ConvertConfig(src["source"], tmp_path / "p", workers=1, part=(1, 2)),
+                       ImageTextOptions(src["tokenizer"], other))
+    code, _, err = run_cli(["merge", str(tmp_path / "p")], capsys)
+    assert code == 2 and err.count("\n") == 1 and "part-1-of-2: " in err, err
+    assert "image_text.template_variables.bos_token '<|im_start|>' (part 0: '<s>')" in err, err
+    assert not (tmp_path / "p" / "manifest.json").exists()
+    for k in range(2):  # part 1 converted before the record: compared without it
+        _convert(src, tmp_path / "old", part=(k, 2))
+    record = tmp_path / "old" / ".parts" / "part-1-of-2" / "part.json"
+    data = json.loads(record.read_text())
+    del data["plan"]["convert_options"]["image_text"]["template_variables"]
+    record.write_text(json.dumps(data))
+    code, _, err = run_cli(["merge", str(tmp_path / "old")], capsys)
+    assert code == 0, err
+
+
 def _rewrite(src: dict, line: int, **changes) -> None:
     rows = [dict(r) for r in src["rows"]]
     rows[line - 1].update(changes)

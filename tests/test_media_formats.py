@@ -1029,15 +1029,18 @@ def test_usual_log_mel_settings_are_accepted():
 
 
 def test_a_table_naming_a_missing_video_stops_in_one_line(tmp_path, capsys):
+    """With --on-error fail; with --on-error skip (the default) the row is skipped and listed
+    (test_hostile_sources.py)."""
     from helpers import run_cli
 
     make_video(tmp_path / "files" / "a.webm", "libvpx-vp9", "webm", frames=6)
     (tmp_path / "t.jsonl").write_text('{"path": "files/a.webm", "label": 0}\n{"path": "files/gone.webm", "label": 1}\n')
-    code, out, err = run_cli(["convert", str(tmp_path / "t.jsonl"), str(tmp_path / "ds")], capsys)
+    code, out, err = run_cli(["convert", str(tmp_path / "t.jsonl"), str(tmp_path / "ds"), "--on-error", "fail"],
+                             capsys)
     lines = [line for line in err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and lines[0].startswith("fastio: error:"), err
-    assert "files/gone.webm" in lines[0] and "Traceback" not in out + err
-    assert not (tmp_path / "ds" / "manifest.json").exists()
+    assert "t.jsonl:2: path column 'path' names a missing file: files/gone.webm" in lines[0]
+    assert "Traceback" not in out + err and not (tmp_path / "ds" / "manifest.json").exists()
 
 
 def test_a_parquet_of_video_and_audio_bytes_names_each_field_by_its_type(tmp_path):

@@ -82,10 +82,11 @@ SHAREGPT_ROLES = ("{% for m in messages %}{% if m.role == 'assistant' %}{% gener
 CHAT_WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa quick brown fox jumps lazy dog".split()
 
 
-def chat_tokenizer(path: Path) -> Path:
-    """A tiny byte-level BPE with ChatML specials (end of text ``<|endoftext|>``), trained offline on chat text."""
+def chat_tokenizer(path: Path, specials: tuple[str, ...] = CHAT_SPECIALS) -> Path:
+    """A tiny byte-level BPE with ChatML specials (end of text ``<|endoftext|>``; ``specials`` after it, in their
+    order), trained offline on chat text."""
     texts = [*CORPUS, *(" ".join(CHAT_WORDS[i:] + CHAT_WORDS[:i]) for i in range(len(CHAT_WORDS)))] * 2
-    return train_tokenizer(path, vocab_size=400, specials=CHAT_SPECIALS, texts=texts)
+    return train_tokenizer(path, vocab_size=400, specials=specials, texts=texts)
 
 
 def chat_config(path: Path, template: str = CHATML) -> Path:

@@ -141,8 +141,8 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
                    "tokens.")
 @click.option("--overlong", default=None, metavar="refuse|drop|truncate",
               help="With --max-tokens: a longer conversation stops the run naming it (refuse, the default), is left "
-                   "out and counted (drop), or keeps its first turns that fit, whole, ending with a reply the template "
-                   "trains, whatever its role (truncate; counted); drop and "
+                   "out and counted (drop), or keeps its first turns that fit, whole, ending with the model's reply (a "
+                   "message the template trains, never a user's; truncate; counted; dropped where none fits); drop and "
                    "truncate without --max-tokens are refused. With --image-field: refuse or drop (a dropped line "
                    "is listed as skipped).")
 @click.option("--image-field", default=None, metavar="FIELD",

@@ -14,9 +14,11 @@ A conversation longer than ``max_tokens`` (None: no limit here; the Loader refus
 one) is never cut mid-turn: ``overlong="refuse"`` is a ConvertError naming it, ``"drop"`` leaves it out (counted),
 ``"truncate"`` keeps its first turns whole: the longest run of its first messages that ends with a reply and
 renders within ``max_tokens`` (rendered again, as a conversation of those messages; counted), or drops it when none
-does (counted as dropped). A reply is a message the template renders inside a ``{% generation %}`` block (the run
-ending with it has one more block than the run without it), whatever its role, so ShareGPT's ``gpt`` under a
-template that trains it is one; under a template without blocks (``train_on="all"``), one of :data:`REPLY_ROLES`.
+does (counted as dropped). A reply is the model's: a message the template renders inside a ``{% generation %}``
+block (the run ending with it has one more block than the run without it) of a role that is not a prompt's (one of
+:data:`PROMPT_ROLES`: a template that trains the user's turns too never makes a user message the last one kept),
+so ShareGPT's ``gpt`` under a template that trains it is one; under a template without blocks
+(``train_on="all"``), one of :data:`REPLY_ROLES`.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from fastio.formats.assistant_mask import assistant_mask
 from fastio.formats.byte_level_bpe import ByteLevelBPE
 from fastio.formats.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, render
 
-__all__ = ["OVERLONG", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
+__all__ = ["OVERLONG", "PROMPT_ROLES", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
 
 TRAIN_ON = ("generation", "all")
 """What a chat conversion trains on: the template's ``{% generation %}`` blocks, or every token."""
@@ -41,6 +43,9 @@ OVERLONG = ("refuse", "drop", "truncate")
 REPLY_ROLES = ("assistant", "gpt", "model")
 """The roles of a reply where the template marks no ``{% generation %}`` block (``overlong="truncate"`` cuts after
 one): OpenAI's, ShareGPT's and Gemma's."""
+PROMPT_ROLES = ("user", "human", "system", "developer", "tool", "ipython", "function", "observation")
+"""The roles of what the model is given, never a reply ``overlong="truncate"`` cuts after, even where the template
+trains them: OpenAI's, ShareGPT's, Llama's tool output (``ipython``) and LLaMA-Factory's (``observation``)."""
 
 
 def check_messages(messages: Any, where: str, field: str) -> None:
@@ -202,9 +207,10 @@ class ChatEncoder:
         """Whether a run of first messages ending with ``last`` (``run``: its text and generation spans; ``before``:
         those of the run without it, None where the template refused that run) ends with a reply, a place
         ``overlong="truncate"`` may cut after: a message the template renders inside a ``{% generation %}`` block,
-        whatever its role (ShareGPT's ``gpt`` under a template that trains it); for a template without such blocks
+        of any role but a prompt's (:data:`PROMPT_ROLES`: ShareGPT's ``gpt`` under a template that trains it is a
+        reply, a user's message under a template that trains every turn is not); for a template without such blocks
         (``train_on="all"``), or where the run without it cannot be rendered to compare, a message of a role in
         :data:`REPLY_ROLES`."""
         if self.template.has_generation and before is not None:
-            return len(run[1]) > len(before[1])
+            return len(run[1]) > len(before[1]) and last.get("role") not in PROMPT_ROLES
         return last.get("role") in REPLY_ROLES

@@ -213,7 +213,8 @@ class _Coder:
         """What the manifest's ``convert_options.image_text`` records (a part's plan too: parts must agree)."""
         o = self.options
         return {"tokenizer_sha256": sha256_file(o.tokenizer), "template_sha256": self.template.sha256,
-                "image_token": o.image_token, "image_token_id": self.image_id, "image_field": o.image_field,
+                "template_variables": self.template.rendered_variables, "image_token": o.image_token,
+                "image_token_id": self.image_id, "image_field": o.image_field,
                 "messages_field": o.messages_field, "train_on": "generation", "tokens_field": TOKENS_FIELD,
                 "mask_field": MASK_FIELD,
                 **({} if o.max_tokens is None else {"max_tokens": o.max_tokens, "image_seq_len": o.image_seq_len,

@@ -40,7 +40,7 @@ from fastio.convert.dest import check_dest, reset_dest
 from fastio.convert.image_text import refuse_untrained
 from fastio.convert.parts import PARTS_DIR, PartRecord, parse_part_dir, part_dir, part_name, read_part_record
 from fastio.convert.token_convert import TOKEN_PLAN
-from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command
+from fastio.convert.token_merge import comparable_plan, merge_token_parts, part_command, special_token_differences
 from fastio.convert.wds_index import INDEX_PLAN, merge_index_parts
 from fastio.dataset.manifest import (
     MANIFEST_NAME,
@@ -265,21 +265,22 @@ def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:
     ref = records[0]
     problems = []
     for record in records[1:]:
-        plans = [comparable_plan(r.plan) if r.plan.get("kind") == TOKEN_PLAN else r.plan for r in (ref, record)]
+        plans = ([comparable_plan(r.plan) for r in (ref, record)] if record.plan.get("kind") == TOKEN_PLAN else
+                 _image_text_comparable(ref.plan, record.plan))
         diff = [key for key in sorted(set(plans[0]) | set(plans[1])) if plans[0].get(key) != plans[1].get(key)]
         if sorted(record.datasets) != sorted(ref.datasets):
             diff.append("splits")
-        if diff:
-            detail = []
-            for key in diff:
-                if key in ("convert_options", "tokens"):  # the options (a token conversion's: eos, tokenizer_sha256)
-                    a, b = plans[0].get(key) or {}, plans[1].get(key) or {}
-                    detail += [f"{o} {b.get(o)!r} (part 0: {a.get(o)!r})" for o in sorted(set(a) | set(b))
-                               if a.get(o) != b.get(o)]
-                elif key == "listing":
-                    detail.append("source listing (the source changed between the parts' scans)")
-                else:
-                    detail.append(key)
+        detail = []
+        for key in diff:
+            if key in ("convert_options", "tokens"):  # the options (a token conversion's: eos, tokenizer_sha256)
+                detail += _option_differences(plans[0].get(key) or {}, plans[1].get(key) or {})
+            elif key == "listing":
+                detail.append("source listing (the source changed between the parts' scans)")
+            else:
+                detail.append(key)
+        if record.plan.get("kind") == TOKEN_PLAN:
+            detail += special_token_differences(ref.plan, record.plan)
+        if detail:
             problems.append(f"{part_name(record.part, record.of)}: {', '.join(detail)}")
     if problems:
         raise ConvertError(f"{dest}: parts were not made from the same source, options and seed as "
@@ -295,6 +296,30 @@ def _check_plans(dest: Path, records: list[PartRecord]) -> dict[str, Any]:
         if at != ref.datasets[name]["count"]:
             raise ConvertError(f"{dest}: parts cover {at} of {count(ref.datasets[name]['count'], 'sample')}")
     return ref.plan
+
+
+def _option_differences(a: dict[str, Any], b: dict[str, Any], prefix: str = "") -> list[str]:
+    """Each option in which part 0's ``a`` and another part's ``b`` differ, with both values (``seed 7 (part 0:
+    0)``); of an option that is a mapping in both, each entry that differs (``image_text.template_variables.bos_token
+    '<|im_start|>' (part 0: '<s>')``)."""
+    out = []
+    for o in sorted(set(a) | set(b)):
+        x, y = a.get(o), b.get(o)
+        if isinstance(x, dict) and isinstance(y, dict):
+            out += _option_differences(x, y, f"{prefix}{o}.")
+        elif x != y:
+            out.append(f"{prefix}{o} {y!r} (part 0: {x!r})")
+    return out
+
+
+def _image_text_comparable(ref: dict[str, Any], plan: dict[str, Any]) -> list[dict[str, Any]]:
+    """Two parts' plans as compared: an image-text conversion's ``template_variables`` (the special tokens its
+    template is rendered with) left out of both where one part was converted before they were recorded."""
+    entries = [p.get("convert_options", {}).get("image_text") for p in (ref, plan)]
+    if not all(isinstance(e, dict) for e in entries) or all("template_variables" in e for e in entries):
+        return [ref, plan]
+    return [{**p, "convert_options": {**p["convert_options"], "image_text": {
+        k: v for k, v in e.items() if k != "template_variables"}}} for p, e in zip((ref, plan), entries)]
 
 
 # -- assembling one dataset -----------------------------------------------------------------------------

@@ -37,7 +37,6 @@ records and the plan every part must share: source listing, options, tokenizer c
 
 from __future__ import annotations
 
-import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -158,8 +157,9 @@ class TokenConvertConfig:
     overlong: str = checked(one_of(OVERLONG), default="refuse")
     """With ``max_tokens`` (``drop`` and ``truncate`` without it: a ValueError): a longer conversation is refused
     (``refuse``), left out and counted (``drop``), or cut to its first turns that fit, whole, ending with a reply
-    (a message the template trains in a ``{% generation %}`` block, whatever its role: ShareGPT's ``gpt`` too;
-    ``truncate``; counted; dropped when even the first exchange is too long). Never cut mid-turn
+    (the model's: a message the template trains in a ``{% generation %}`` block, of any role but a prompt's,
+    ShareGPT's ``gpt`` too, never a user's; ``truncate``; counted; dropped when even the first exchange is too
+    long). Never cut mid-turn
     (:mod:`fastio.convert.chat_encode`)."""
 
     def __post_init__(self) -> None:
@@ -444,13 +444,15 @@ class _ShardSeries:
 class _Coder:
     """What the tokenizer decides: the end-of-document id, the vocabulary (its largest id + 1, holes counted) and
     token type, the file's checksum (``sha256``: ``(size, hex)`` as a part's plan records it; the manifest records
-    the hex, :func:`tokenizer_sha256`); a chat conversion's template (its special tokens filled in)."""
+    the hex, :func:`tokenizer_sha256`); a chat conversion's template (its special tokens filled in); the tokenizer's
+    special tokens (:func:`special_tokens`: what the parts of one conversion must agree on, token by token)."""
 
     eos_id: int
     vocab_size: int
     dtype: str
     sha256: tuple[int, str]
     template: ChatTemplate | None = None
+    specials: dict[str, int] = field(default_factory=dict)
 
 
 def _coder(config: TokenConvertConfig) -> _Coder:
@@ -463,7 +465,7 @@ def _coder(config: TokenConvertConfig) -> _Coder:
     ids = vocab_size(tokenizer)
     if template is not None:
         template = with_specials(template, tokenizer, eos_id, config.tokenizer)
-    return _Coder(eos_id, ids, token_dtype(ids), sha256_file(config.tokenizer), template)
+    return _Coder(eos_id, ids, token_dtype(ids), sha256_file(config.tokenizer), template, special_tokens(tokenizer))
 
 
 def _chat_template(config: TokenConvertConfig) -> ChatTemplate:
@@ -488,8 +490,8 @@ def with_specials(template: ChatTemplate, tokenizer, eos_id: int, path: Path) ->
     one of the tokenizer's special tokens: transformers adds it as a new id, where the tokenizer alone splits its
     text into pieces."""
     specials = special_tokens(tokenizer)
-    for name, token in template.variables.items():
-        if token not in specials and re.search(rf"\b{name}\b", template.text):
+    for name, token in template.rendered_variables.items():
+        if token not in specials:
             have, named_by = ", ".join(sorted(specials)) or "none", template.config or template.path
             raise ConvertError(f"{path}: {token!r} is not a special token (the {name} of {named_by}, which its "
                                f"template renders); its special tokens: {have}")
@@ -719,14 +721,17 @@ def _plan(config: TokenConvertConfig, corpus: Corpus, coder: _Coder) -> dict[str
             "name": config.name,
             "listing": {"sha256": corpus.listing_digest(), "files": len(corpus.files), "bytes": corpus.total},
             "tokens": {"tokenizer_sha256": coder.sha256, "eos_id": coder.eos_id, "dtype": coder.dtype,
-                       "vocab_size": coder.vocab_size, **_chat_plan(config, coder)}}
+                       "vocab_size": coder.vocab_size, "special_tokens": coder.specials,
+                       **_chat_plan(config, coder)}}
 
 
 def _chat_plan(config: TokenConvertConfig, coder: _Coder) -> dict[str, Any]:
-    """A chat conversion's parts share the template (by content) and what they train on."""
+    """A chat conversion's parts share the template (by content), the special tokens it renders (``variables``: a
+    ``tokenizer_config.json``'s ``bos_token``, ``eos_token``, ... that its text names) and what they train on."""
     if coder.template is None:
         return {}
-    return {"chat": {"template_sha256": coder.template.sha256, "train_on": config.train_on}}
+    return {"chat": {"template_sha256": coder.template.sha256, "train_on": config.train_on,
+                     "variables": coder.template.rendered_variables}}
 
 
 def _part_dataset(config: TokenConvertConfig, corpus: Corpus, span: tuple[int, int | None], written: _Written

@@ -15,7 +15,10 @@ a linked shard, their bits copied with a re-packed one's documents; the trained 
 every part make the manifest's ``tokens.chat``.
 
 Parts agree on a tokenizer by its content (``tokens.tokenizer_sha256`` of the plan), not by how they name its file
-(:func:`comparable_plan`): the manifest names it as part 0 does.
+(:func:`comparable_plan`): the manifest names it as part 0 does. They agree on its special tokens and, in a chat
+conversion, on those the template is rendered with (a ``tokenizer_config.json``'s ``bos_token``, ...), token by
+token, a difference named by the token (:func:`special_token_differences`): two tokenizers of one vocabulary size,
+or one tokenizer under two configs, render other ids where the checksums alone say little or nothing.
 """
 
 from __future__ import annotations
@@ -57,7 +60,7 @@ from fastio.storage.atomic import fsync_dir, place_file
 from fastio.storage.lock import LOCK_NAME
 from fastio.tokens.starts import STARTS_NAME, shard_starts, write_starts
 
-__all__ = ["comparable_plan", "merge_token_parts", "part_command"]
+__all__ = ["comparable_plan", "merge_token_parts", "part_command", "special_token_differences"]
 
 
 @dataclass
@@ -72,9 +75,32 @@ class _PartShard:
 def comparable_plan(plan: dict[str, Any]) -> dict[str, Any]:
     """A token part's plan as parts are compared: its tokenizer by content (``tokens.tokenizer_sha256``), not by
     the path its file was named by (relative in one part, absolute or a copy in another); a chat template likewise
-    (``tokens.chat.template_sha256``)."""
+    (``tokens.chat.template_sha256``); the special tokens left to :func:`special_token_differences`."""
     options = {k: v for k, v in plan.get("convert_options", {}).items() if k not in ("tokenizer", "chat_template")}
-    return {**plan, "convert_options": options}
+    tokens = {k: v for k, v in plan.get("tokens", {}).items() if k != "special_tokens"}
+    if isinstance(tokens.get("chat"), dict):
+        tokens["chat"] = {k: v for k, v in tokens["chat"].items() if k != "variables"}
+    return {**plan, "convert_options": options, "tokens": tokens}
+
+
+def special_token_differences(ref: dict[str, Any], plan: dict[str, Any]) -> list[str]:
+    """How a part's plan differs from part 0's (``ref``) in the tokenizer's special tokens (``special token
+    '<|im_end|>' id 2 (part 0: id 1)``) and the chat template's (``the chat template's bos_token '<|im_start|>'
+    (part 0: '<s>')``); each compared only where both parts record it (parts converted before they were recorded)."""
+    out = []
+    a, b = ref.get("tokens", {}).get("special_tokens"), plan.get("tokens", {}).get("special_tokens")
+    if isinstance(a, dict) and isinstance(b, dict):
+        out += [f"special token {t!r} {_id(b.get(t))} (part 0: {_id(a.get(t))})" for t in sorted(set(a) | set(b))
+                if a.get(t) != b.get(t)]
+    a, b = ((p.get("tokens", {}).get("chat") or {}).get("variables") for p in (ref, plan))
+    if isinstance(a, dict) and isinstance(b, dict):
+        out += [f"the chat template's {name} {b.get(name)!r} (part 0: {a.get(name)!r})"
+                for name in sorted(set(a) | set(b)) if a.get(name) != b.get(name)]
+    return out
+
+
+def _id(token_id: int | None) -> str:
+    return "absent" if token_id is None else f"id {token_id}"
 
 
 def part_command(plan: dict[str, Any], dest: Path, n: int) -> str:

@@ -76,6 +76,12 @@ class ChatTemplate:
     def has_generation(self) -> bool:
         return has_generation(self.text)
 
+    @property
+    def rendered_variables(self) -> dict[str, str]:
+        """The :attr:`variables` its text names (``{{ bos_token }}``): the special tokens that can reach its output,
+        not those a config lists and it never writes (a ``pad_token``)."""
+        return {k: v for k, v in self.variables.items() if re.search(rf"\b{re.escape(k)}\b", self.text)}
+
 
 def has_generation(text: str) -> bool:
     """Whether template ``text`` marks what the assistant generates with ``{% generation %}``."""
