@@ -68,6 +68,7 @@ K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
 K_STEP = "step"  # with replicas=: the torchft Manager's step the position is
 _ORDER_KEYS = (K_SEED, K_SHUFFLE, K_BLOCK_SHARDS)  # a different value would change the sample order
 _INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS, K_STEP)
+_STR_KEYS = (K_FINGERPRINT, K_SHUFFLE)
 
 
 def _as_int(key: str, value: Any) -> int:
@@ -916,6 +917,10 @@ def _checked_state(state: Any, *, next_epoch: bool = False) -> dict[str, Any]:
                if k not in state]
     if missing:
         raise LoaderStateError(f"loader state lacks {', '.join(missing)}")
+    for key in _STR_KEYS:  # compared with this Loader's: an array there made numpy's ambiguous truth value
+        if not isinstance(state[key], str):
+            raise LoaderStateError(f"loader state has {key}={state[key]!r:.80}, not a string (a damaged or "
+                                   "hand-edited state)")
     for key in (K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS):  # a state's are >= 1 (the first two: the save's)
         if key in state and state[key] < 1:
             raise LoaderStateError(f"loader state has {key}={state[key]!r}, not a positive integer (a damaged or "
