@@ -905,14 +905,14 @@ def _checked_state(state: Any, *, next_epoch: bool = False) -> dict[str, Any]:
     in an order this fastio no longer draws) only where it is to start its ``next_epoch``."""
     if not isinstance(state, dict) or K_VERSION not in state:
         raise LoaderStateError(f"loader state has no {K_VERSION!r} (not a fastio Loader state_dict)")
-    state = {k: _as_int(k, v) if k in _INT_KEYS else v for k, v in state.items()}
-    version = state[K_VERSION]
+    version = _as_int(K_VERSION, state[K_VERSION])  # first: a newer version's other entries may be of other types
     if version > STATE_VERSION:
         raise LoaderStateError(f"loader state version {version} is from a newer fastio (this one reads version "
                                f"{STATE_VERSION}): upgrade fastio to continue it")
     if version not in (1, STATE_VERSION):
         raise LoaderStateError(f"loader state version {version} is not one a fastio writes (this one reads version "
                                f"{STATE_VERSION}): a damaged or hand-edited state")
+    state = {k: _as_int(k, v) if k in _INT_KEYS else v for k, v in state.items()}
     missing = [k for k in (K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS)
                if k not in state]
     if missing:

@@ -149,4 +149,8 @@ def test_a_version_1_loader_state_restores_at_its_next_epoch(tmp_path, image_dat
             fresh.load_state_dict({**v1, "version": 3})
         with pytest.raises(LoaderStateError, match=r"loader state version 3 is from a newer fastio"):
             fresh.next_epoch_state({**v1, "version": 3})  # its next epoch's entries may mean other things too
+        with pytest.raises(LoaderStateError, match=r"loader state version 3 is from a newer fastio"):
+            fresh.load_state_dict({**v1, "version": 3, "consumed": {"sequences": 16}})  # not 'not an integer'
+        with pytest.raises(LoaderStateError, match=r"^loader state version 0 is not one a fastio writes"):
+            fresh.load_state_dict({**v1, "version": 0})
     new.close()
