@@ -59,8 +59,8 @@ __all__ = ["STATE_VERSION", "Loader", "LoaderConfig", "OrderOptions", "Performan
            "ShardOptions"]
 
 # 2: the lazy keyed order of fastio.order.sampler (fastio.order.feistel.ORDER_ALGORITHM). A version 1 state
-# was written for the materialised numpy permutation, which is gone: it is refused (the position would mean
-# other samples).
+# was written for the materialised numpy permutation, which is gone: it cannot continue its epoch (the position
+# would mean other samples), but it starts the next one (Loader.next_epoch_state: it has version 2's entries).
 STATE_VERSION = 2
 K_VERSION, K_SEED, K_EPOCH, K_CONSUMED = "version", "seed", "epoch", "consumed"
 K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
@@ -68,6 +68,7 @@ K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
 K_STEP = "step"  # with replicas=: the torchft Manager's step the position is
 _ORDER_KEYS = (K_SEED, K_SHUFFLE, K_BLOCK_SHARDS)  # a different value would change the sample order
 _INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS, K_STEP)
+_STR_KEYS = (K_FINGERPRINT, K_SHUFFLE)
 
 
 def _as_int(key: str, value: Any) -> int:
@@ -510,12 +511,12 @@ class Loader:
         mixture's source) converted again since the save, with more or other samples, is taken. The rest is checked
         as :meth:`check_state_dict` checks it (version, seed, shuffle, the pipeline's entry, a mixture's sources
         and schedule); changes nothing. Refused with ``replicas=`` (the position is the torchft Manager's step)."""
-        state = _checked_state(state)
+        state = _checked_state(state, next_epoch=True)
         if self._replicas is not None:  # the position is the Manager's step
             self._replicas.refuse_next_epoch(state[K_EPOCH], len(self._sampler))
         rs = self.read_set
-        moved = {**state, K_EPOCH: state[K_EPOCH] + 1, K_CONSUMED: 0, K_FINGERPRINT: rs.fingerprint,
-                 **rs.renewed_state(state)}
+        moved = {**state, K_VERSION: STATE_VERSION, K_EPOCH: state[K_EPOCH] + 1, K_CONSUMED: 0,
+                 K_FINGERPRINT: rs.fingerprint, **rs.renewed_state(state)}
         return self.check_state_dict(moved)
 
     # -- iteration ----------------------------------------------------------------------------------
@@ -898,25 +899,34 @@ def _replicas_of(manager: Any) -> Any:
     return TorchftReplicas(manager)
 
 
-def _checked_state(state: Any) -> dict[str, Any]:
+def _checked_state(state: Any, *, next_epoch: bool = False) -> dict[str, Any]:
     """``state`` with its integers as ints, once its version and keys are those of this fastio's states (its
-    ``world_size``, ``batch_size`` and ``block_shards`` positive)."""
+    ``world_size``, ``batch_size`` and ``block_shards`` positive). A version 1 state (the same entries, positions
+    in an order this fastio no longer draws) only where it is to start its ``next_epoch``."""
     if not isinstance(state, dict) or K_VERSION not in state:
         raise LoaderStateError(f"loader state has no {K_VERSION!r} (not a fastio Loader state_dict)")
+    version = _as_int(K_VERSION, state[K_VERSION])  # first: a newer version's other entries may be of other types
+    if version > STATE_VERSION:
+        raise LoaderStateError(f"loader state version {version} is from a newer fastio (this one reads version "
+                               f"{STATE_VERSION}): upgrade fastio to continue it")
+    if version not in (1, STATE_VERSION):
+        raise LoaderStateError(f"loader state version {version} is not one a fastio writes (this one reads version "
+                               f"{STATE_VERSION}): a damaged or hand-edited state")
     state = {k: _as_int(k, v) if k in _INT_KEYS else v for k, v in state.items()}
-    if state[K_VERSION] == 1:
-        raise LoaderStateError("loader state version 1 is from a fastio whose sample order differs (a "
-                               "materialised numpy permutation); this fastio reads version 2 and cannot "
-                               "continue that epoch: start without the loader state, or at the next epoch "
-                               "with set_epoch(epoch + 1)")
-    if state[K_VERSION] != STATE_VERSION:
-        raise LoaderStateError(f"loader state version {state[K_VERSION]!r}, this fastio reads {STATE_VERSION}")
     missing = [k for k in (K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS)
                if k not in state]
     if missing:
         raise LoaderStateError(f"loader state lacks {', '.join(missing)}")
+    for key in _STR_KEYS:  # compared with this Loader's: an array there made numpy's ambiguous truth value
+        if not isinstance(state[key], str):
+            raise LoaderStateError(f"loader state has {key}={state[key]!r:.80}, not a string (a damaged or "
+                                   "hand-edited state)")
     for key in (K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS):  # a state's are >= 1 (the first two: the save's)
         if key in state and state[key] < 1:
             raise LoaderStateError(f"loader state has {key}={state[key]!r}, not a positive integer (a damaged or "
                                    "hand-edited state)")
+    if version == 1 and not next_epoch:
+        raise LoaderStateError(f"loader state version 1 is from a fastio whose sample order differs (a materialised "
+                               f"numpy permutation); this fastio reads version {STATE_VERSION} and cannot continue "
+                               f"that epoch: start the next epoch {next_epoch_way(state[K_EPOCH])}")
     return state

@@ -12,6 +12,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from helpers import StateHolder
 from test_mixture import _small
 from tokens_helpers import word_corpus
 from torch import nn
@@ -109,4 +110,47 @@ def test_a_mixture_whose_source_was_converted_again_restores_at_its_next_epoch(t
         state = ckpt.restore_latest({"model": _zeroed(), "loader": new}, loader_policy="next-epoch")
     assert state.epoch == 1 and (new.state_dict()["epoch"], new.state_dict()["consumed"]) == (1, 0)
     assert len(next(iter(new))["source"]) == 6
+    new.close()
+
+
+def test_a_version_1_loader_state_restores_at_its_next_epoch(tmp_path, image_dataset):
+    """A checkpoint whose loader state is version 1 (an older fastio's order, a materialised numpy permutation): the
+    refusal said "start ... at the next epoch with set_epoch(epoch + 1)", but loader_policy='next-epoch' (the only way
+    there with a Checkpointer, which restores all or nothing) and Loader.next_epoch_state refused it with the same
+    line, so the model and optimizer of such a checkpoint could not be restored with its loader at all."""
+    def loader():
+        return Loader(image_dataset, batch_size=4, pipeline=Raw(), device="cpu", seed=3, world_size=1, rank=0,
+                      num_threads=1)
+
+    with loader() as ld:
+        v1 = {**ld.state_dict(), "version": 1, "epoch": 2, "consumed": 16}  # what the older fastio wrote
+    saved_model = nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(5, {"model": saved_model, "loader": StateHolder(v1)}, blocking=True)
+    model, new = _zeroed(), loader()
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "loader": new})
+        text = str(err.value)
+        assert "app key 'loader'" in text and "version 1" in text and WAY.replace("set_epoch(1)", "set_epoch(3)") in text
+        assert torch.count_nonzero(model.weight) == 0
+        state = ckpt.restore_latest({"model": model, "loader": new}, loader_policy="next-epoch")
+    assert state.epoch == 3 and torch.equal(model.weight, saved_model.weight)
+    restored = new.state_dict()
+    assert {k: restored[k] for k in ("version", "epoch", "consumed")} == {"version": 2, "epoch": 3, "consumed": 0}
+    with loader() as fresh:
+        assert fresh.next_epoch_state(v1) == restored  # a Loader alone
+        fresh.set_epoch(3)
+        assert next(iter(new))["index"].tolist() == next(iter(fresh))["index"].tolist()
+        with pytest.raises(LoaderStateError, match="seed=4, this loader seed=3"):  # the rest is still checked
+            fresh.next_epoch_state({**v1, "seed": 4})
+        with pytest.raises(LoaderStateError, match=r"loader state version 3 is from a newer fastio \(this one reads "
+                                                   r"version 2\): upgrade fastio"):
+            fresh.load_state_dict({**v1, "version": 3})
+        with pytest.raises(LoaderStateError, match=r"loader state version 3 is from a newer fastio"):
+            fresh.next_epoch_state({**v1, "version": 3})  # its next epoch's entries may mean other things too
+        with pytest.raises(LoaderStateError, match=r"loader state version 3 is from a newer fastio"):
+            fresh.load_state_dict({**v1, "version": 3, "consumed": {"sequences": 16}})  # not 'not an integer'
+        with pytest.raises(LoaderStateError, match=r"^loader state version 0 is not one a fastio writes"):
+            fresh.load_state_dict({**v1, "version": 0})
     new.close()

@@ -192,6 +192,37 @@ def test_a_bool_in_a_state_is_not_an_integer(image_dataset, key):
             loader.load_state_dict({**loader.state_dict(), key: True})
 
 
+@pytest.mark.parametrize("path,match", [
+    (("fingerprint",), r"^loader state has fingerprint=array\(\[1, 2\]\), not a string \(a damaged or hand-edited"),
+    (("shuffle",), r"^loader state has shuffle=array\(\[1, 2\]\), not a string \(a damaged or hand-edited"),
+    (("tokens", "seq_len"), r"^loader state has tokens seq_len=array\(\[1, 2\]\), this Loader's fastio.Tokens "
+                            r"seq_len=16"),
+    (("tokens", "window"), r"^loader state has tokens window=tensor\(\[1, 2\]\), this Loader's fastio.Tokens "
+                           r"window=8"),
+    (("loss_mask", "train_on"), r"/ds: loader state's loss masks have train_on=array\(\[1, 2\]\), not a string "
+                                r"\(a damaged or hand-edited state\)$"),
+])
+def test_an_array_in_a_state_entry_is_named_not_numpys_ambiguous_truth_value(token_ds, path, match):
+    """A corrupted state whose entry holds an array of several values (a tensor too) failed its check with numpy's
+    (torch's) bare 'The truth value of an array with more than one element is ambiguous', naming nothing."""
+    import copy
+
+    import torch
+
+    import fastio
+    from fastio.errors import LoaderStateError
+
+    with Loader(token_ds, pipeline=fastio.Tokens(seq_len=16, window=8), batch_size=2, device="cpu",
+                world_size=1, rank=0, reader_threads=1) as loader:
+        state = copy.deepcopy(loader.state_dict())
+        entry = state
+        for key in path[:-1]:
+            entry = entry[key]
+        entry[path[-1]] = torch.tensor([1, 2]) if path[-1] == "window" else np.array([1, 2])
+        with pytest.raises(LoaderStateError, match=match):
+            loader.load_state_dict(state)
+
+
 @pytest.mark.parametrize("shuffle", ["global", "none"])
 def test_block_shards_matters_to_a_resume_only_in_block_mode(image_dataset, shuffle):
     """A state of shuffle='global' (or 'none') was refused by a Loader with another block_shards, "the sample

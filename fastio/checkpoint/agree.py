@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["first_difference", "first_disagreement", "global_shapes", "save_signature", "terms_code"]
+__all__ = ["first_difference", "first_disagreement", "global_loaders", "global_shapes", "save_signature",
+           "terms_code"]
 
 
 def global_shapes(states: dict[str, Any], global_keys: frozenset[str]) -> list[tuple[str, str, str]]:
@@ -38,16 +39,27 @@ def global_shapes(states: dict[str, Any], global_keys: frozenset[str]) -> list[t
     return out
 
 
-def save_signature(step: int, keys: list[str], shapes: list[tuple[str, str, str]]) -> dict[str, Any]:
-    """One rank's part of a save's agreement (small: the shapes travel as a digest)."""
+def global_loaders(states: dict[str, Any]) -> dict[str, Any]:
+    """Of the app's loader states (app key -> ``state_dict()`` of an object with ``check_state_dict``), those that
+    are global: the same on every rank (a fastio Loader's, whose ranks take slices of one order: its ``world_size``
+    above 1). A Loader of one rank's own (``world_size=1``) is left out."""
+    return {k: s for k, s in states.items() if isinstance(s, dict) and isinstance(s.get("world_size"), int)
+            and s["world_size"] > 1}
+
+
+def save_signature(step: int, keys: list[str], shapes: list[tuple[str, str, str]],
+                   loaders: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One rank's part of a save's agreement (small: the shapes and the global loader states travel as digests)."""
     digest = hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]
-    return {"step": int(step), "keys": sorted(keys), "shapes": digest}
+    held = hashlib.sha256(repr(sorted((loaders or {}).items())).encode()).hexdigest()[:16]
+    return {"step": int(step), "keys": sorted(keys), "shapes": digest, "loaders": held}
 
 
-def first_difference(signatures: list[dict[str, Any]], shapes: list[list[tuple[str, str, str]]] | None = None
-                     ) -> str | None:
+def first_difference(signatures: list[dict[str, Any]], shapes: list[list[tuple[str, str, str]]] | None = None,
+                     loaders: list[dict[str, Any]] | None = None) -> str | None:
     """None when every rank's signature is rank 0's; else one line naming the first rank that differs and how
-    (``shapes``: every rank's :func:`global_shapes`, to name the first tensor whose shape differs)."""
+    (``shapes``: every rank's :func:`global_shapes`, to name the first tensor whose shape differs; ``loaders``:
+    every rank's :func:`global_loaders`, to name the first entry that differs)."""
     base = signatures[0]
     for rank, sig in enumerate(signatures[1:], start=1):
         if sig["step"] != base["step"]:
@@ -57,6 +69,11 @@ def first_difference(signatures: list[dict[str, Any]], shapes: list[list[tuple[s
             only = sorted(set(sig["keys"]) - set(base["keys"]))
             return (f"ranks save different app keys: rank 0 only {only0 or 'none'}, rank {rank} only "
                     f"{only or 'none'}")
+        if sig.get("loaders") != base.get("loaders"):
+            detail = "" if loaders is None else _first_entry(loaders[0], loaders[rank], rank)
+            return (f"ranks' loader states differ{detail}: a fastio Loader's order is global (each rank takes its "
+                    "slice of one order), so every rank's Loader must be made alike (seed, shuffle, dataset, "
+                    "batch_size, pipeline) and step with the others, or samples come twice and others never")
         if sig["shapes"] != base["shapes"]:
             detail = ""
             if shapes is not None:
@@ -69,6 +86,21 @@ def first_difference(signatures: list[dict[str, Any]], shapes: list[list[tuple[s
                         break
             return f"ranks hold different global state (it is written once, from all ranks){detail}"
     return None
+
+
+def _first_entry(mine: dict[str, Any], theirs: dict[str, Any], rank: int) -> str:
+    """`` (app key 'K'): ENTRY=A on rank 0, ENTRY=B on rank R``: the first loader state entry that differs (the
+    position, ``epoch`` and ``consumed``, last)."""
+    for key in sorted(set(mine) | set(theirs)):
+        if (key in mine) != (key in theirs):
+            return f" (app key {key!r}): a global loader on {'rank 0' if key in mine else f'rank {rank}'} only"
+        a, b = mine[key], theirs[key]
+        # what the Loaders were made with before where they stand (a batch_size differs: so does consumed)
+        for entry in sorted(dict.fromkeys([*a, *b]), key=lambda e: e in ("epoch", "consumed")):
+            x, y = a.get(entry), b.get(entry)
+            if repr(x) != repr(y):
+                return f" (app key {key!r}): {entry}={x!r:.80} on rank 0, {entry}={y!r:.80} on rank {rank}"
+    return ""
 
 
 def terms_code(terms: dict[str, Any]) -> int:

@@ -605,10 +605,14 @@ class Checkpointer:
         engine_name = choose_engine(self.config.engine, app)
         # before any collective: the operation and the engine
         self._ranks.enter("save", {"engine": engine_name}, label=f"save at step {step}")
-        if self.world_size > 1:  # before any rank can return early or write: the step and the app's keys
-            why = agree.first_difference(self._ranks.gather("save", agree.save_signature(step, list(app), [])))
-            if why:  # (not "at step N": that may be what differs)
-                raise CheckpointError(f"checkpoint save: {why}")
+        if self.world_size > 1:  # before any rank can return early or write: the step, the app's keys, its loaders
+            # as a phase: a loader's state_dict() failing on one rank fails every rank's save (none left waiting)
+            loaders = self._ranks.run("save", lambda: agree.global_loaders(
+                _state_dicts({k: app[k] for k in loader_keys(app)})))
+            signatures = self._ranks.gather("save", agree.save_signature(step, list(app), [], loaders))
+            if agree.first_difference(signatures):  # every rank sees it: all gather the loaders to name it
+                why = agree.first_difference(signatures, loaders=self._ranks.gather("save", loaders))
+                raise CheckpointError(f"checkpoint save: {why}")  # (not "at step N": that may be what differs)
         return engine_name
 
     def _write(self, engine: Engine, staged: dict[str, Any], replicated: list[str], global_keys: frozenset[str],

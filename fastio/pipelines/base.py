@@ -44,7 +44,8 @@ if TYPE_CHECKING:
 
 __all__ = ["BuiltPipeline", "Delivery", "FieldChoice", "GraphDef", "Pipeline", "Placement", "ReadFields", "Source",
            "build_graph", "check_fields", "checked_batch", "checked_graph", "checked_source", "checked_state_entries",
-           "dali_inputs", "dali_out_of_memory", "dali_reason", "evaluation_of", "field_value", "refuse_tokens"]
+           "dali_inputs", "dali_out_of_memory", "dali_reason", "evaluation_of", "field_value", "refuse_tokens",
+           "same_entry"]
 
 
 DALI_WORKER = "[DALI][TP"
@@ -506,18 +507,19 @@ class Pipeline:
             if entry not in state:
                 raise LoaderStateError(f"loader state has no {entry!r} entry, this {type(self).__name__} gives "
                                        f"{mine!r:.200} (a state of another kind)")
-            if not _same(state[entry], mine):
+            if not same_entry(state[entry], mine):
                 raise LoaderStateError(f"loader state has {entry}={state[entry]!r:.200}, this {type(self).__name__} "
                                        f"gives {mine!r:.200}: a state saved with other options of the kind")
 
 
-def _same(saved: Any, mine: Any) -> bool:
+def same_entry(saved: Any, mine: Any) -> bool:
     """Whether a state entry as saved equals this object's, a checkpoint's round trip aside (a tuple saved comes
     back a list; a number a numpy or 0-d torch one)."""
     if isinstance(mine, dict):
-        return isinstance(saved, dict) and saved.keys() == mine.keys() and all(_same(saved[k], mine[k]) for k in mine)
+        return isinstance(saved, dict) and saved.keys() == mine.keys() and all(same_entry(saved[k], mine[k])
+                                                                               for k in mine)
     if isinstance(mine, (tuple, list)):
-        return isinstance(saved, (tuple, list)) and len(saved) == len(mine) and all(map(_same, saved, mine))
+        return isinstance(saved, (tuple, list)) and len(saved) == len(mine) and all(map(same_entry, saved, mine))
     try:
         return bool(saved == mine)
     except (TypeError, ValueError, RuntimeError):  # an array of several values: not one option's value

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from fastio.errors import DatasetError, LoaderStateError
-from fastio.pipelines.base import K_TOKENS, PACKED_UNIT, Delivery, Pipeline, Placement, Source
+from fastio.pipelines.base import K_TOKENS, PACKED_UNIT, Delivery, Pipeline, Placement, Source, same_entry
 from fastio.pipelines.image import refuse_image_text
 from fastio.tokens.packing import PACKINGS
 
@@ -127,6 +127,6 @@ def check_entry(state: dict[str, Any], entry: str, mine: dict[str, Any], what: s
         raise LoaderStateError(f"loader state's {entry!r} entry is {type(saved).__name__}, not the options of "
                                f"fastio.{name} (a damaged state)")
     for key, value in mine.items():
-        if saved.get(key) != value:
+        if not same_entry(saved.get(key), value):
             raise LoaderStateError(f"loader state has {entry} {key}={saved.get(key)!r}, this Loader's "
                                    f"fastio.{name} {key}={value!r} (the sequences would differ)")

@@ -89,6 +89,9 @@ def _compare(saved: Any, mine: dict[str, str] | None, where: str, next_epoch: st
     for key in ("train_on", "template_sha256", "masks"):
         if key in saved or key in mine:
             old, new = saved.get(key), mine.get(key)
+            if old is not None and not isinstance(old, str):  # an array: numpy's ambiguous truth value below
+                raise LoaderStateError(f"{where}: loader state's loss masks have {key}={old!r:.80}, not a string (a "
+                                       "damaged or hand-edited state)")
             if old != new:
                 raise LoaderStateError(f"{where}: loader state was saved on loss masks {key}={old!r}, this dataset's "
                                        f"are {key}={new!r} ({_WHY[key]}): the saved position would train on other "
