@@ -1,0 +1,67 @@
+"""Found by the integrations review: what a Lightning user does without the DataModule. A validation Loader given
+to ``trainer.fit(model, train, val)`` as it is continues where the last validation run stopped (after
+Lightning's 2-batch sanity check the first validation saw 32 of 48 samples); ``LightningLoader(val,
+whole_epochs=True)``, as docs/trainers.md says, validates the whole set on every run."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from fastio import ImageEval, ImageTrain, Loader
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs fastio[lightning]")
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "lightning_train.py"
+OPTIONS = dict(batch_size=8, device="cpu", num_threads=1, reader_threads=1)
+
+
+def _classifier():
+    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+
+    class Recording(module.Classifier):
+        def on_validation_epoch_start(self):
+            self.val_runs = [*getattr(self, "val_runs", []), []]
+
+        def validation_step(self, batch, batch_idx):
+            self.val_runs[-1] += batch["index"][~batch["padded"]].tolist()
+            return super().validation_step(batch, batch_idx)
+
+    return Recording(4)
+
+
+def _fit(tmp_path: Path, model, train, val) -> None:
+    import lightning.pytorch as pl
+
+    pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+               default_root_dir=tmp_path, max_epochs=2, limit_train_batches=1,
+               enable_checkpointing=False).fit(model, train, val)
+
+
+def _validation(dest: Path) -> Loader:
+    return Loader(dest, pipeline=ImageEval(size=32), shuffle="none", remainder="partial", **OPTIONS)
+
+
+def test_a_validation_loader_given_to_fit_wrapped_as_the_docs_say_validates_every_sample(tmp_path, image_dataset,
+                                                                                      one_thread):
+    from fastio.integrations.lightning import LightningLoader
+
+    model = _classifier()
+    with Loader(image_dataset, pipeline=ImageTrain(size=32), **OPTIONS) as train, _validation(image_dataset) as val:
+        _fit(tmp_path, model, train, LightningLoader(val, whole_epochs=True))
+    sanity, *after_epochs = model.val_runs
+    assert sanity == list(range(16))  # Lightning's sanity check: 2 batches
+    assert after_epochs == [list(range(48))] * 2
+
+
+def test_the_docs_say_how_to_give_a_validation_loader_without_the_datamodule():
+    """The plain Loader's behaviour (it continues its epoch on each ``iter()``: a training loop that breaks and
+    comes back resumes) is right for training; for validation under Lightning the docs name the wrapper."""
+    text = " ".join((REPO / "docs" / "trainers.md").read_text().split())
+    assert "LightningLoader(val_loader, whole_epochs=True)" in text
+    assert "32 of 48" in text
