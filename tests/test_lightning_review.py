@@ -1,7 +1,9 @@
-"""Found by the integrations review: what a Lightning user does without the DataModule. A validation Loader given
+"""Found by the integrations review. What a Lightning user does without the DataModule: a validation Loader given
 to ``trainer.fit(model, train, val)`` as it is continues where the last validation run stopped (after
 Lightning's 2-batch sanity check the first validation saw 32 of 48 samples); ``LightningLoader(val,
-whole_epochs=True)``, as docs/trainers.md says, validates the whole set on every run."""
+whole_epochs=True)``, as docs/trainers.md says, validates the whole set on every run. And a run stopped by
+``max_steps`` mid-epoch, resumed with a larger ``max_steps`` from the checkpoint ``ModelCheckpoint`` saved as it
+stopped (tests/lightning_counts.py in this process, one device)."""
 
 from __future__ import annotations
 
@@ -65,3 +67,25 @@ def test_the_docs_say_how_to_give_a_validation_loader_without_the_datamodule():
     text = " ".join((REPO / "docs" / "trainers.md").read_text().split())
     assert "LightningLoader(val_loader, whole_epochs=True)" in text
     assert "32 of 48" in text
+
+
+def test_a_run_stopped_by_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(tmp_path, one_thread):
+    """Run 1: max_steps=7 of 20 batches an epoch; ModelCheckpoint(every_n_epochs=1) saves as it stops (Lightning
+    calls on_train_epoch_end there, and marks the epoch processed). Run 2: max_steps=40 from that checkpoint. It
+    trained 13 batches of the Loader's epoch 1 as the rest of epoch 0 (Lightning's set_epoch(1) moved the Loader
+    off its saved position), then epoch 1 again: 52 samples of epoch 0 never trained, 52 of epoch 1 twice. Now
+    epoch 0's 52 samples left are trained, then epoch 1 whole: what the uninterrupted run trains."""
+    import lightning_counts
+    from trainer_counts import assert_exactly_once, dataset80, per_epoch
+
+    data = dataset80(tmp_path)
+    first = lightning_counts.main([str(data), str(tmp_path / "first"), "--max-steps", "7", "--save-every-epoch",
+                                   str(tmp_path / "ckpt")])
+    assert len(first) == 7 and sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step=7.ckpt"]
+    second = lightning_counts.main([str(data), str(tmp_path / "second"), "--max-steps", "40", "--resume",
+                                    str(tmp_path / "ckpt" / "step=7.ckpt")])
+    assert len(second) == 33
+    counts = per_epoch([first], [second])
+    assert sorted(counts) == [0, 1]
+    assert_exactly_once(counts[0], "epoch 0, stopped by max_steps and resumed")
+    assert_exactly_once(counts[1], "epoch 1, after the resume")
