@@ -73,8 +73,9 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(tmp
     """Run 1: max_steps=7 of 20 batches an epoch; ModelCheckpoint(every_n_epochs=1) saves as it stops (Lightning
     calls on_train_epoch_end there, and marks the epoch processed). Run 2: max_steps=40 from that checkpoint. It
     trained 13 batches of the Loader's epoch 1 as the rest of epoch 0 (Lightning's set_epoch(1) moved the Loader
-    off its saved position), then epoch 1 again: 52 samples of epoch 0 never trained, 52 of epoch 1 twice. Now
-    epoch 0's 52 samples left are trained, then epoch 1 whole: what the uninterrupted run trains."""
+    off its saved position), then the rest of epoch 1 and the start of epoch 2 as epoch 1: the 52 samples left of
+    epoch 0 never trained (20 of its 80 missing and 20 twice, as counted). Now epoch 0's 52 samples left are
+    trained, then epoch 1 whole: what the uninterrupted run trains."""
     import lightning_counts
     from trainer_counts import assert_exactly_once, dataset80, per_epoch
 
