@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 
 import torch
@@ -33,6 +34,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastio import FastioError, ImageTrain, Loader
+
+POSITION = "custom_checkpoint_0.pkl"
+"""What ``save_state`` writes for the first object registered for checkpointing: the loader's position."""
 
 
 def make_model(classes: int) -> nn.Module:
@@ -59,6 +63,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.resume and not os.path.isdir(args.resume):
         parser.error(f"--resume {args.resume}: no such state directory (one that --save-at wrote)")
+    if args.resume and not os.path.isfile(os.path.join(args.resume, POSITION)):
+        parser.error(f"--resume {args.resume}: no state saved by --save-at in it (no {POSITION}: the loader's "
+                     "position)")
     if args.save_at and not args.state_dir:
         parser.error("--save-at needs --state-dir (where to save the state)")
 
@@ -72,7 +79,10 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer = accelerator.prepare(model, optimizer)  # not the loader (see the docstring)
     accelerator.register_for_checkpointing(loader)
     if args.resume:
-        accelerator.load_state(args.resume)  # weights, optimizer, RNG of each process, the loader's position
+        try:
+            accelerator.load_state(args.resume)  # weights, optimizer, RNG of each process, the loader's position
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:  # a save cut short, another model
+            parser.error(f"--resume {args.resume}: cannot load the state: {str(err).strip().splitlines()[0]}")
 
     steps, seen = 0, []
     model.train()

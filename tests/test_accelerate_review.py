@@ -1,0 +1,48 @@
+"""Found by the integrations review: ``examples/accelerate_train.py --resume DIR`` of a folder that holds no state
+``--save-at`` wrote (an empty folder, a dataset given by mistake, a save cut short) ended in a FileNotFoundError
+traceback from torch.load inside ``accelerator.load_state``; now a usage error naming the folder, exit 2."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("accelerate")
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "accelerate_train.py"
+
+
+def _main():
+    spec = importlib.util.spec_from_file_location("accelerate_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main
+
+
+def test_resume_from_a_folder_without_a_saved_state_is_one_line(tmp_path, image_dataset, capsys):
+    main = _main()
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit) as stop:
+        main(["--data", str(image_dataset), "--resume", str(empty)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    assert f"--resume {empty}: no state saved by --save-at in it (no custom_checkpoint_0.pkl" in err, err
+
+
+def test_resume_from_a_state_cut_short_is_one_line(tmp_path, image_dataset, capsys):
+    """The loader's position is there, the weights are not (a save killed part-way)."""
+    import torch
+
+    main = _main()
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    torch.save({"epoch": 0, "consumed": 8}, cut / "custom_checkpoint_0.pkl")
+    with pytest.raises(SystemExit) as stop:
+        main(["--data", str(image_dataset), "--resume", str(cut)])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert f": error: --resume {cut}: cannot load the state: " in lines[-1] and "pytorch_model.bin" in lines[-1], err
