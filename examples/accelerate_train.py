@@ -68,6 +68,9 @@ def main(argv: list[str] | None = None) -> None:
                      "position)")
     if args.save_at and not args.state_dir:
         parser.error("--save-at needs --state-dir (where to save the state)")
+    if args.save_weights and os.path.isdir(args.save_weights):
+        parser.error(f"--save-weights {args.save_weights}: a folder; name the file to write (e.g. {args.save_weights}"
+                     "/weights.pt)")
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(args.seed)
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(seen, f)
     accelerator.wait_for_everyone()
     if args.save_weights and accelerator.is_main_process:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_weights)), exist_ok=True)
         tmp = f"{args.save_weights}.tmp"
         torch.save(accelerator.unwrap_model(model).state_dict(), tmp)
         os.replace(tmp, args.save_weights)

@@ -79,6 +79,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.resume and "://" not in args.resume and args.resume not in _CKPT_WORDS and not os.path.isfile(args.resume):
         parser.error(f"--resume {args.resume}: no such checkpoint file")
+    if args.save_weights and os.path.isdir(args.save_weights):
+        parser.error(f"--save-weights {args.save_weights}: a folder; name the file to write (e.g. {args.save_weights}"
+                     "/weights.pt)")
 
     pl.seed_everything(args.seed, workers=False, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
@@ -100,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(f"{args.log_indices}.rank{trainer.global_rank}", "w") as f:
             json.dump(model.seen, f)
     if args.save_weights and trainer.is_global_zero:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_weights)), exist_ok=True)
         tmp = f"{args.save_weights}.tmp"
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, args.save_weights)

@@ -46,3 +46,21 @@ def test_resume_from_a_state_cut_short_is_one_line(tmp_path, image_dataset, caps
     assert stop.value.code == 2 and "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert f": error: --resume {cut}: cannot load the state: " in lines[-1] and "pytorch_model.bin" in lines[-1], err
+
+
+def test_the_example_writes_weights_into_a_folder_not_made_yet_and_refuses_a_folder(tmp_path, image_dataset, capsys,
+                                                                                     monkeypatch, one_thread):
+    """Found by the integrations review: ``--save-weights out/w.pt`` with no ``out/`` ended the run, after all its
+    epochs, in a FileNotFoundError traceback from torch.save, the weights lost; a folder, in an IsADirectoryError
+    there. The folders are made now, and a folder is refused before the run, in one line."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    main = _main()
+    with pytest.raises(SystemExit) as stop:
+        main(["--data", str(image_dataset), "--save-weights", str(tmp_path)])
+    assert stop.value.code == 2 and f"--save-weights {tmp_path}: a folder" in capsys.readouterr().err
+    weights = tmp_path / "out" / "run1" / "w.pt"
+    main(["--data", str(image_dataset), "--epochs", "1", "--save-weights", str(weights)])
+    assert len(torch.load(weights, weights_only=True)) >= 2
+    assert sorted(p.name for p in weights.parent.iterdir()) == ["w.pt"]

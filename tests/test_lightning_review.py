@@ -90,3 +90,22 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(tmp
     assert sorted(counts) == [0, 1]
     assert_exactly_once(counts[0], "epoch 0, stopped by max_steps and resumed")
     assert_exactly_once(counts[1], "epoch 1, after the resume")
+
+
+def test_the_example_writes_weights_into_a_folder_not_made_yet_and_refuses_a_folder(tmp_path, image_dataset, capsys,
+                                                                                     one_thread):
+    """Found by the integrations review: ``--save-weights out/w.pt`` with no ``out/`` ended the run, after all its
+    epochs, in a FileNotFoundError traceback from torch.save, the weights lost; ``--save-weights out`` (a folder) in an
+    IsADirectoryError there. The folders are made now, and a folder is refused before the run, in one line."""
+    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as stop:
+        module.main(["--data", str(image_dataset), "--save-weights", str(tmp_path)])
+    assert stop.value.code == 2 and f"--save-weights {tmp_path}: a folder" in capsys.readouterr().err
+    weights = tmp_path / "out" / "run1" / "w.pt"
+    module.main(["--data", str(image_dataset), "--max-epochs", "1", "--save-weights", str(weights)])
+    import torch
+
+    assert set(torch.load(weights, weights_only=True)) >= {"net.0.weight", "net.0.bias"}
+    assert sorted(p.name for p in weights.parent.iterdir()) == ["w.pt"]
