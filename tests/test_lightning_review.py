@@ -109,3 +109,23 @@ def test_the_example_writes_weights_into_a_folder_not_made_yet_and_refuses_a_fol
 
     assert set(torch.load(weights, weights_only=True)) >= {"net.0.weight", "net.0.bias"}
     assert sorted(p.name for p in weights.parent.iterdir()) == ["w.pt"]
+
+
+def test_a_plain_training_loader_goes_on_with_its_epoch_after_one_lightning_ended_early(tmp_path, image_dataset,
+                                                                                       one_thread):
+    """docs/trainers.md said a plain Loader given to trainer.fit takes one Loader epoch per Lightning epoch; with
+    limit_train_batches=1 Lightning's epoch 1 got the Loader's epoch 0 batch 2 (Lightning calls no set_epoch on a
+    plain Loader). The docs say so now and name the DataModule for it (test_lightning.py checks the DataModule)."""
+    model = _classifier()
+    with Loader(image_dataset, pipeline=ImageTrain(size=32), **OPTIONS) as train:
+        import lightning.pytorch as pl
+
+        pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                   default_root_dir=tmp_path, max_epochs=2, limit_train_batches=1, enable_checkpointing=False,
+                   num_sanity_val_steps=0).fit(model, train)
+    with Loader(image_dataset, pipeline=ImageTrain(size=32), **OPTIONS) as ref:
+        epoch0 = [b["index"].tolist() for b in ref]
+    assert model.seen == [(0, epoch0[0]), (1, epoch0[1])]
+    text = " ".join((REPO / "docs" / "trainers.md").read_text().split())
+    assert "after an epoch that `limit_train_batches` ends early, Lightning's next epoch goes on with the rest of " \
+           "the Loader's" in text
