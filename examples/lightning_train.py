@@ -58,6 +58,16 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+def classes_of(data: str) -> int:
+    """The classifier's outputs for DATA's labels; FastioError naming DATA where it has none."""
+    classes = Dataset(data).num_classes
+    if classes is None:
+        raise FastioError(f"{data}: a dataset without labels (converted from a folder with no class "
+                          "folders, or shards without a label field): this example trains a classifier on its "
+                          "labels")
+    return classes
+
+
 _CKPT_WORDS = ("last", "best", "hpc", "registry")  # what Lightning's ckpt_path= takes besides a path or URL
 
 
@@ -88,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     data = FastioDataModule(args.data, args.val, batch_size=args.batch_size, pipeline=ImageTrain(size=args.image_size),
                             seed=args.seed, device="cuda" if accelerator == "gpu" else "cpu", num_threads=1)
     if args.classes is None:
-        args.classes = Dataset(args.data).num_classes
+        args.classes = classes_of(args.data)
     model = Classifier(args.classes)
     callbacks = []
     if args.ckpt_dir:

@@ -125,7 +125,11 @@ def check_started() -> None:
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     check_started()
-    Dataset(args.data)  # a dataset that is not there is named now, not after torchft has connected to its peers
+    # a dataset that is not there, or has no labels, is named now, not after torchft has connected to its peers
+    if Dataset(args.data).num_classes is None:
+        raise FastioError(f"{args.data}: a dataset without labels (converted from a folder with no class "
+                          "folders, or shards without a label field): this example trains a classifier on its "
+                          "labels")
     model = optimizer = None
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)), min_replica_size=1,

@@ -328,3 +328,22 @@ def test_the_example_names_a_missing_dataset_before_it_waits_for_torchft(tmp_pat
     done = _example_alone(env, "--data", str(tmp_path / "nowhere"), seconds=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == f"torchft_train: {tmp_path / 'nowhere'}: no such dataset directory", done.stderr
+
+
+def test_the_example_names_a_dataset_without_labels_before_it_waits_for_torchft(tmp_path):
+    """Found by the integrations review: a dataset without labels (a flat image folder converted) ended in torch's
+    TypeError traceback (nn.Linear(8, None)) once torchft was up; now one line before torchft starts."""
+    from PIL import Image
+
+    from fastio.convert.run import ConvertConfig, convert
+
+    (tmp_path / "flat").mkdir()
+    for k in range(8):
+        Image.new("RGB", (40, 30), (20 * k, 90, 200)).save(tmp_path / "flat" / f"p{k}.png")
+    convert(ConvertConfig(source=tmp_path / "flat", dest=tmp_path / "unlabelled", workers=1, progress=False))
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "1",
+           "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"}
+    done = _example_alone(env, "--data", str(tmp_path / "unlabelled"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().startswith(f"torchft_train: {tmp_path / 'unlabelled'}: a dataset without labels"), \
+        done.stderr
