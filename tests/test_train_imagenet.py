@@ -71,3 +71,23 @@ def test_out_not_made_yet_is_made_and_a_missing_resume_is_one_line(tmp_path, cap
     out = tmp_path / "runs" / "exp1"
     recipe.main([str(ds), "--out", str(out), *common])
     assert (out / "checkpoint.pth.tar").is_file() and (out / "model_best.pth.tar").is_file()
+
+
+def test_a_dataset_without_labels_is_one_line(tmp_path, capsys):
+    """Found by the integrations review: DATA/train converted from a folder without class folders (no labels) ended in
+    torch's TypeError traceback from the ResNet's nn.Linear(..., None); now a FastioError naming it, which the script
+    prints in one line (exit 2)."""
+    import pytest
+    from PIL import Image
+
+    from fastio import FastioError
+
+    for split in ("train", "val"):
+        (tmp_path / "flat" / split).mkdir(parents=True)
+        for k in range(8):
+            Image.new("RGB", (40, 30), (20 * k, 90, 200)).save(tmp_path / "flat" / split / f"p{k}.png")
+        code, _, err = run_cli(["convert", str(tmp_path / "flat" / split), str(tmp_path / "ds" / split), "-q"], capsys)
+        assert code == 0, err
+    with pytest.raises(FastioError, match=f"^{tmp_path / 'ds' / 'train'}: a dataset without labels"):
+        _recipe().main([str(tmp_path / "ds"), "-a", "resnet10-w16", "--epochs", "1", "-b", "4", "--crop", "32",
+                        "-j", "1"])
