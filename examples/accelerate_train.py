@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import sys
 
 import torch
@@ -33,6 +34,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from fastio import FastioError, ImageTrain, Loader
+
+POSITION = "custom_checkpoint_0.pkl"
+"""What ``save_state`` writes for the first object registered for checkpointing: the loader's position."""
 
 
 def make_model(classes: int) -> nn.Module:
@@ -59,20 +63,33 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.resume and not os.path.isdir(args.resume):
         parser.error(f"--resume {args.resume}: no such state directory (one that --save-at wrote)")
+    if args.resume and not os.path.isfile(os.path.join(args.resume, POSITION)):
+        parser.error(f"--resume {args.resume}: no state saved by --save-at in it (no {POSITION}: the loader's "
+                     "position)")
     if args.save_at and not args.state_dir:
         parser.error("--save-at needs --state-dir (where to save the state)")
+    if args.save_weights and os.path.isdir(args.save_weights):
+        parser.error(f"--save-weights {args.save_weights}: a folder; name the file to write (e.g. {args.save_weights}"
+                     "/weights.pt)")
 
     accelerator = Accelerator(cpu=not torch.cuda.is_available())
     torch.manual_seed(args.seed)
     loader = Loader(args.data, batch_size=args.batch_size, pipeline=ImageTrain(size=args.image_size), seed=args.seed,
                     device=accelerator.device.type, num_threads=1,
                     rank=accelerator.process_index, world_size=accelerator.num_processes)
+    if loader.dataset.num_classes is None:
+        raise FastioError(f"{args.data}: a dataset without labels (converted from a folder with no class "
+                          "folders, or shards without a label field): this example trains a classifier on its "
+                          "labels")
     model = make_model(loader.dataset.num_classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the loader (see the docstring)
     accelerator.register_for_checkpointing(loader)
     if args.resume:
-        accelerator.load_state(args.resume)  # weights, optimizer, RNG of each process, the loader's position
+        try:
+            accelerator.load_state(args.resume)  # weights, optimizer, RNG of each process, the loader's position
+        except (OSError, EOFError, RuntimeError, pickle.UnpicklingError) as err:  # a save cut short, another model
+            parser.error(f"--resume {args.resume}: cannot load the state: {str(err).strip().splitlines()[0]}")
 
     steps, seen = 0, []
     model.train()
@@ -93,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
             json.dump(seen, f)
     accelerator.wait_for_everyone()
     if args.save_weights and accelerator.is_main_process:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_weights)), exist_ok=True)
         tmp = f"{args.save_weights}.tmp"
         torch.save(accelerator.unwrap_model(model).state_dict(), tmp)
         os.replace(tmp, args.save_weights)

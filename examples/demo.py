@@ -2,6 +2,9 @@
 
     python examples/demo.py OUT
 
+OUT is made (or, made by an earlier demo, replaced: it holds a .fastio-demo file); a folder that holds anything
+else is refused, never deleted.
+
 1. generate a 4-class image folder (deterministic, no download) under OUT/raw;
 2. `fastio convert` it into shards with a train/val split, `fastio verify --decode`, `fastio inspect --order`;
 3. iterate the train split with the Loader and print throughput and the data-stall fraction;
@@ -20,6 +23,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 FASTIO = [sys.executable, "-m", "fastio.cli"]
+DEMO_MARK = ".fastio-demo"
+"""The file in OUT that says an earlier demo made it: only such a folder (or an empty one) is replaced."""
 
 
 def run(cmd: list[str], shown: list[str]) -> None:
@@ -57,13 +62,29 @@ def next_steps(data: Path, out: Path) -> str:
             f"Then your own data: README.md, \"Your own data in 5 minutes\".")
 
 
+def fresh_out(out: Path) -> None:
+    """Make ``out`` an empty folder holding only :data:`DEMO_MARK`: a new one, an empty one, or one an earlier demo
+    made (replaced); SystemExit (exit 2) in one line for anything else, which may hold the only copy of someone's
+    files."""
+    if out.exists() and not (out / DEMO_MARK).is_file() and (not out.is_dir() or any(out.iterdir())):
+        print(f"demo: {out}: exists and was not made by the demo (no {DEMO_MARK} in it); give a new folder, or an "
+              "empty one", file=sys.stderr)
+        raise SystemExit(2)
+    if (out / DEMO_MARK).is_file():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARK).write_text("made by examples/demo.py: it replaces this folder when it runs again\n")
+
+
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
+    if argv in (["-h"], ["--help"]):
+        print(__doc__)
+        return 0
+    if len(argv) != 1 or argv[0].startswith("-"):
         print(__doc__, file=sys.stderr)
         return 2
     out = Path(argv[0])
-    if out.exists():
-        shutil.rmtree(out)
+    fresh_out(out)
     from fastio.convert.synthetic import make_imagefolder
 
     raw = make_imagefolder(out / "raw", classes=4, per_class=64, min_side=64, max_side=160, seed=0)

@@ -58,6 +58,16 @@ class Classifier(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+def classes_of(data: str) -> int:
+    """The classifier's outputs for DATA's labels; FastioError naming DATA where it has none."""
+    classes = Dataset(data).num_classes
+    if classes is None:
+        raise FastioError(f"{data}: a dataset without labels (converted from a folder with no class "
+                          "folders, or shards without a label field): this example trains a classifier on its "
+                          "labels")
+    return classes
+
+
 _CKPT_WORDS = ("last", "best", "hpc", "registry")  # what Lightning's ckpt_path= takes besides a path or URL
 
 
@@ -79,13 +89,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.resume and "://" not in args.resume and args.resume not in _CKPT_WORDS and not os.path.isfile(args.resume):
         parser.error(f"--resume {args.resume}: no such checkpoint file")
+    if args.save_weights and os.path.isdir(args.save_weights):
+        parser.error(f"--save-weights {args.save_weights}: a folder; name the file to write (e.g. {args.save_weights}"
+                     "/weights.pt)")
 
     pl.seed_everything(args.seed, workers=False, verbose=False)
     accelerator = "gpu" if torch.cuda.is_available() else "cpu"
     data = FastioDataModule(args.data, args.val, batch_size=args.batch_size, pipeline=ImageTrain(size=args.image_size),
                             seed=args.seed, device="cuda" if accelerator == "gpu" else "cpu", num_threads=1)
     if args.classes is None:
-        args.classes = Dataset(args.data).num_classes
+        args.classes = classes_of(args.data)
     model = Classifier(args.classes)
     callbacks = []
     if args.ckpt_dir:
@@ -100,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(f"{args.log_indices}.rank{trainer.global_rank}", "w") as f:
             json.dump(model.seen, f)
     if args.save_weights and trainer.is_global_zero:
+        os.makedirs(os.path.dirname(os.path.abspath(args.save_weights)), exist_ok=True)
         tmp = f"{args.save_weights}.tmp"
         torch.save(model.state_dict(), tmp)
         os.replace(tmp, args.save_weights)

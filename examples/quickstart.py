@@ -15,7 +15,7 @@ import torch
 import fastio
 
 data, ckpt_dir, epochs = (sys.argv[1:] + ["ds", "ckpt", "2"][len(sys.argv) - 1:])[:3]
-epochs = int(epochs)
+epochs = int(epochs) if epochs.isdigit() and not {"-h", "--help"} & set(sys.argv) else sys.exit(__doc__)
 torch.manual_seed(0)
 
 ckpt = fastio.Checkpointer(ckpt_dir, every_steps=5, keep=2)  # SIGTERM/SIGUSR1 make the next save blocking

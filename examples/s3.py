@@ -18,6 +18,13 @@ import torch
 
 import fastio
 
+if sys.argv[1:] in (["-h"], ["--help"]):
+    print(__doc__)
+    sys.exit(0)
+if not 2 <= len(sys.argv) <= 3 or not sys.argv[1].startswith("s3://"):
+    given = f"{sys.argv[1]}: not an s3:// URL; " if len(sys.argv) > 1 else ""
+    print(f"s3.py: error: {given}usage: python examples/s3.py s3://bucket/prefix [IMAGES]", file=sys.stderr)
+    sys.exit(2)
 prefix = sys.argv[1].rstrip("/")
 with tempfile.TemporaryDirectory() as tmp:
     images = sys.argv[2] if len(sys.argv) > 2 else None
@@ -26,8 +33,10 @@ with tempfile.TemporaryDirectory() as tmp:
 
         images = str(make_imagefolder(Path(tmp, "images"), classes=4, per_class=16, seed=0))
     # The CLI, as a user would run it: written to a local staging dir, then uploaded, manifests last.
-    subprocess.run([sys.executable, "-m", "fastio.cli", "convert", images, f"{prefix}/data",
-                    "--split", "train=0.8,val=0.2", "--quiet", "--overwrite"], check=True)
+    converted = subprocess.run([sys.executable, "-m", "fastio.cli", "convert", images, f"{prefix}/data",
+                                "--split", "train=0.8,val=0.2", "--quiet", "--overwrite"])
+if converted.returncode:  # the CLI has said why in one line (a bucket that does not exist, ...)
+    sys.exit(converted.returncode)
 
 # Ctrl-C or a fastio error (a bucket that does not exist, ...): one line, no traceback. The Checkpointer's exit
 # waits for a write in flight first.

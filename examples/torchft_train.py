@@ -19,6 +19,8 @@ batch's mean, whatever the shares.
 indices it trained on. A step that does not commit ``--max-retries`` times more in a row (a process group that
 cannot be built, a peer that never answers in time) ends the run with one line naming the step and torchft's
 error, instead of retrying it for ever; so does a step whose quorum did not form within ``--quorum-timeout``.
+Started without torchrun's variables or ``TORCHFT_LIGHTHOUSE``, or given a ``--data`` that is not a dataset, it says
+so in one line (exit 2) before it starts torchft.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from torch.nn import functional as F
 from torchft import DistributedDataParallel, Manager, ProcessGroupGloo
 from torchft.optim import OptimizerWrapper
 
-from fastio import FastioError, ImageTrain, Loader
+from fastio import Dataset, FastioError, ImageTrain, Loader
 
 
 def make_model(classes: int) -> nn.Module:
@@ -103,8 +105,31 @@ def first_line(err: BaseException) -> str:
     return lines[0] if lines else type(err).__name__
 
 
+_STARTED_BY = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHFT_LIGHTHOUSE")
+"""What torchrun (the group's store, this rank) and the lighthouse's address give a Manager: without them torchft
+stops at a KeyError, or waits minutes for a store that is not there."""
+
+
+class NotStarted(Exception):
+    """The example was not started as its usage says (torchrun, TORCHFT_LIGHTHOUSE)."""
+
+
+def check_started() -> None:
+    """NotStarted naming the variables of :data:`_STARTED_BY` that are not set."""
+    missing = [name for name in _STARTED_BY if not os.environ.get(name)]
+    if missing:
+        raise NotStarted(f"{', '.join(missing)} not set: start it with torchrun and "
+                         "TORCHFT_LIGHTHOUSE=http://HOST:PORT (see --help)")
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
+    check_started()
+    # a dataset that is not there, or has no labels, is named now, not after torchft has connected to its peers
+    if Dataset(args.data).num_classes is None:
+        raise FastioError(f"{args.data}: a dataset without labels (converted from a folder with no class "
+                          "folders, or shards without a label field): this example trains a classifier on its "
+                          "labels")
     model = optimizer = None
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)), min_replica_size=1,
@@ -149,5 +174,8 @@ def train(args: argparse.Namespace, manager: Manager, loader: Loader, ddp: nn.Mo
 if __name__ == "__main__":
     try:
         main()
-    except (FastioError, StepFailed) as err:
+    except StepFailed as err:
         sys.exit(f"torchft_train: {err}")
+    except (FastioError, NotStarted) as err:  # a missing or broken dataset, no torchrun: one line, exit 2
+        print(f"torchft_train: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -153,7 +153,7 @@ class FastioBatches:
 
 
 def fastio_loaders(args, rank: int, world: int, device: str):
-    from fastio import ImageEval, ImageTrain, Loader
+    from fastio import FastioError, ImageEval, ImageTrain, Loader
 
     common = dict(batch_size=args.batch_size // world, seed=args.seed, rank=rank, world_size=world, device=device,
                   num_threads=max(1, args.workers))
@@ -161,6 +161,9 @@ def fastio_loaders(args, rank: int, world: int, device: str):
     # remainder="partial": every validation sample once over all ranks (repeats, if any, flagged as padded)
     val = Loader(os.path.join(args.data, "val"), pipeline=ImageEval(size=args.crop, crop_ratio=EVAL_CROP_RATIO),
                  shuffle="none", remainder="partial", **common)
+    if train.dataset.num_classes is None:
+        raise FastioError(f"{train.dataset.root}: a dataset without labels (converted from a folder with no class "
+                          "folders, or shards without a label field): this recipe trains a classifier on its labels")
     return FastioBatches(train), FastioBatches(val), train.dataset.num_classes
 
 
@@ -353,11 +356,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--resume", default="", metavar="PATH", help="a checkpoint.pth.tar to continue from")
     p.add_argument("-e", "--evaluate", action="store_true", help="evaluate the model on the validation set")
     p.add_argument("--seed", type=int, default=0, help="seeds the model, the data order and augmentation")
-    p.add_argument("--out", default=".", help="where checkpoint.pth.tar and model_best.pth.tar go")
+    p.add_argument("--out", default=".", help="where checkpoint.pth.tar and model_best.pth.tar go (made if needed)")
     p.add_argument("--no-amp", action="store_true", help="no mixed precision on CUDA")
     args = p.parse_args(argv)
     if args.batch_size < 1 or args.epochs < 0 or args.crop < 8:
         p.error("--batch-size must be >= 1, --epochs >= 0, --crop >= 8")
+    if args.resume and not os.path.isfile(args.resume):
+        p.error(f"--resume {args.resume}: no such checkpoint file")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        p.error(f"--out {args.out}: a file, not a folder")
     return args
 
 
@@ -482,6 +489,7 @@ def validate(val_loader, model, criterion, args, device) -> float:
 
 
 def save_checkpoint(state: dict, is_best: bool, out: str, filename: str = "checkpoint.pth.tar") -> None:
+    os.makedirs(out, exist_ok=True)
     path = os.path.join(out, filename)
     torch.save(state, path + ".tmp")  # a crash leaves no half-written checkpoint.pth.tar
     os.replace(path + ".tmp", path)

@@ -12,17 +12,26 @@ from __future__ import annotations
 
 import os
 
-__all__ = ["alone_on_node", "default_store", "process_gone", "process_start", "rank_and_world", "usable_cpus"]
+__all__ = ["alone_on_node", "default_store", "initialized_rank_and_world", "process_gone", "process_start",
+           "rank_and_world", "usable_cpus"]
+
+
+def initialized_rank_and_world() -> tuple[int, int] | None:
+    """``(rank, world_size)`` of torch.distributed's default group where it is initialized, else None."""
+    try:
+        import torch.distributed as dist
+    except ImportError:  # torch is a dependency, but keep this usable from light tools
+        return None
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return None
 
 
 def rank_and_world() -> tuple[int, int]:
     """``(rank, world_size)`` of this process; see the module docstring for where they come from."""
-    try:
-        import torch.distributed as dist
-    except ImportError:  # torch is a dependency, but keep this usable from light tools
-        dist = None
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+    found = initialized_rank_and_world()
+    if found is not None:
+        return found
     try:
         rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     except ValueError:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from fastio.dataset.dataset import Dataset
-from fastio.dist import alone_on_node, rank_and_world, usable_cpus
+from fastio.dist import alone_on_node, initialized_rank_and_world, rank_and_world, usable_cpus
 from fastio.errors import (
     DatasetError,
     FastioError,
@@ -360,6 +360,7 @@ class Loader:
         self._sampler, self._reader, self.pipeline = source.plan, source.reader, source.pipeline
         self._graph: GraphDef | None = checked_graph(self.pipeline.graph(), self.pipeline)
         self.rank, self.world_size = rank, world
+        self._ranks_found = self._replicas is None and cfg.rank is None and cfg.world_size is None
         pin = cfg.options.performance.pin_threads
         self._pins = alone_on_node(world) if pin is None else pin
         self._pin_to: list[int] | None = None  # the CPUs to pin a new pipeline's workers to (_pin_workers)
@@ -531,9 +532,21 @@ class Loader:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         self._refuse_closed("iteration")
+        self._refuse_other_ranks()
         self._close_active()
         self._active = _Batches(self._iterate if self._replicas is None else self._steps, self._drop_stream)
         return self._active
+
+    def _refuse_other_ranks(self) -> None:
+        """FastioError where the rank and world size were found (not given) before torch.distributed was
+        initialized, and it now says another: a Loader made at the top of a script that Lightning's DDP runs
+        (each process would read another rank's share, or all of it, in a number of batches of its own)."""
+        now = initialized_rank_and_world() if self._ranks_found else None
+        if now is not None and now != (self.rank, self.world_size):
+            raise FastioError(f"{self.read_set.root}: this Loader was made as rank {self.rank} of {self.world_size}, "
+                              f"before torch.distributed was initialized, and this process is rank {now[0]} of "
+                              f"{now[1]}: make it after init_process_group (under Lightning: in train_dataloader(), "
+                              "as fastio.integrations.lightning.FastioDataModule does), or give rank= and world_size=")
 
     def close(self) -> None:
         """Stop the stream and close the reader and read set; with ``replicas=``, first take the Loader's state out

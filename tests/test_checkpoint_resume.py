@@ -179,3 +179,23 @@ def test_real_slurm_usr1_requeues_and_resumes_bitwise(image_dataset, tmp_path):
     step = int(saved[0].split()[3])
     assert f"resumed from step {step}" in out and "job" in out and "restart 1" in out, out
     assert digest(out) == digest(reference.communicate(timeout=120)[0])
+
+
+def test_train_on_a_dataset_without_labels_is_one_line(tmp_path):
+    """Found by the integrations review: a flat image folder converted (no class folders, no labels) gave the model 4
+    classes (`num_classes or 4`) and ended at the first step in a KeyError: 'label' traceback, its checkpoint folder
+    made; now one line naming the dataset (exit 2), before any checkpoint folder is made."""
+    from PIL import Image
+
+    from fastio.convert.run import ConvertConfig, convert
+
+    (tmp_path / "flat").mkdir()
+    for k in range(8):
+        Image.new("RGB", (40, 30), (20 * k, 90, 200)).save(tmp_path / "flat" / f"p{k}.png")
+    convert(ConvertConfig(source=tmp_path / "flat", dest=tmp_path / "ds", workers=1, progress=False))
+    done = subprocess.run([*command(tmp_path / "ds", tmp_path / "ck"), "--steps", "2"], capture_output=True, text=True,
+                          env=env(), timeout=180)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith(f"train.py: error: {tmp_path / 'ds'}: a dataset without "
+                                                           "labels"), done.stderr
+    assert not (tmp_path / "ck").exists()

@@ -149,6 +149,22 @@ def test_s3_example_against_a_local_s3_server(aws_env, s3_bucket, warm):
     assert re.search(r"^restored step (\d+) from s3://", out, re.MULTILINE), out
 
 
+def test_s3_example_help_and_a_missing_bucket_in_one_line(aws_env, s3_bucket, warm, tmp_path):
+    """Found by the integrations review: `python examples/s3.py --help` generated images and ran `fastio convert
+    ... --help/data`, ending in a CalledProcessError traceback; a bucket that does not exist printed the CLI's line
+    and then that traceback too. Now --help prints the usage, a PREFIX that is not an s3:// URL is refused, and a
+    failed conversion ends the run with the CLI's own line and its exit code."""
+    rc, out, err = warm.run(ROOT / "examples" / "s3.py", tmp_path, "--help", env=dict(os.environ))
+    assert rc == 0 and "python examples/s3.py s3://bucket/prefix" in out and not err, out + err
+    rc, out, err = warm.run(ROOT / "examples" / "s3.py", tmp_path, "bucket/prefix", env=dict(os.environ))
+    assert rc == 2 and "s3.py: error: bucket/prefix: not an s3:// URL" in err and "Traceback" not in err, err
+    rc, out, err = warm.run(ROOT / "examples" / "s3.py", tmp_path, f"s3://{s3_bucket}-missing/run",
+                            env=dict(os.environ))
+    assert rc == 2 and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1 and f"{s3_bucket}-missing" in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)")
 
 

@@ -53,3 +53,47 @@ def test_two_gloo_ranks(image_dataset, tmp_path):
     assert not set(real[0]) & set(real[1])
     assert sorted(real[0] + real[1]) == list(range(48))
     assert r[0]["state"] == r[1]["state"] and r[0]["state"]["epoch"] == 1
+
+
+def _made_before_init(rank: int, world: int, port: int, dest: str, out: str) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    from fastio import FastioError
+    from fastio.loader import Loader
+
+    for k in ("RANK", "WORLD_SIZE"):
+        os.environ.pop(k, None)
+    loader = Loader(dest, batch_size=5, pipeline=ImageTrain(size=32), device="cpu", num_threads=1)  # rank 0 of 1
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        try:
+            next(iter(loader))
+            said = None
+        except FastioError as err:
+            said = str(err)
+        explicit = Loader(dest, batch_size=5, pipeline=ImageTrain(size=32), device="cpu", num_threads=1, rank=0,
+                          world_size=1)  # given: every rank reads the whole dataset, as asked
+        whole = sum(int((~b["padded"]).sum()) for b in explicit)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said, "whole": whole}))
+        loader.close()
+        explicit.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_loader_made_before_init_process_group_refuses_to_iterate_as_the_wrong_rank(image_dataset, tmp_path):
+    """Found by the integrations review: a Loader made at the top of a script that Lightning's strategy="ddp" runs
+    (the obvious thing) is made before torch.distributed starts: rank 0 of 1 in the first process, while Lightning's
+    second process (WORLD_SIZE=2 in its environment) made rank 0 of 2. Both trained rank 0's samples, with
+    different numbers of batches, and the run died in gloo ("Connection closed by peer"; NCCL would hang). A Loader
+    whose rank and world size were found (not given) refuses to iterate once torch.distributed says otherwise."""
+    start_ranks(_made_before_init, (2, _free_port(), str(image_dataset), str(tmp_path)), 2)
+    r = [json.loads((tmp_path / f"rank{k}.json").read_text()) for k in range(2)]
+    for rank, x in enumerate(r):
+        assert x["said"] == (f"{image_dataset}: this Loader was made as rank 0 of 1, before torch.distributed was "
+                             f"initialized, and this process is rank {rank} of 2: make it after init_process_group "
+                             "(under Lightning: in train_dataloader(), as "
+                             "fastio.integrations.lightning.FastioDataModule does), or give rank= and world_size="), x
+        assert x["whole"] == 48

@@ -93,6 +93,63 @@ def test_demo_ends_with_the_next_command(tmp_path):
     assert "--data demo-out/data/train" in usage
 
 
+def _demo(cwd: Path, *args: str):
+    import subprocess
+
+    return subprocess.run([sys.executable, str(ROOT / "examples" / "demo.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_demo_help_prints_its_usage_and_makes_nothing(tmp_path):
+    """Found by the integrations review: `python examples/demo.py --help` took --help for OUT and generated
+    256 JPEGs under ./--help/raw, then failed in `fastio convert --help/raw ...`."""
+    for flag in ("--help", "-h"):
+        done = _demo(tmp_path, flag)
+        assert done.returncode == 0, done.stderr
+        assert "python examples/demo.py OUT" in done.stdout and not done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_demo_refuses_an_out_folder_it_did_not_make_and_keeps_its_files(tmp_path):
+    """Found by the integrations review: `python examples/demo.py OUT` removed OUT whatever it held
+    (`shutil.rmtree`), so `python examples/demo.py .` or a typo for a data folder deleted the user's files.
+    It starts over only in a folder an earlier demo made (or an empty one); any other is refused in one line."""
+    mine = tmp_path / "work"
+    (mine / "data").mkdir(parents=True)
+    (mine / "data" / "only-copy.txt").write_text("precious")
+    done = _demo(tmp_path, "work")
+    assert done.returncode == 2 and done.stdout == "", done.stdout + done.stderr
+    assert done.stderr.strip() == (f"demo: work: exists and was not made by the demo (no {DEMO_MARK} in it); give "
+                                   "a new folder, or an empty one"), done.stderr
+    assert (mine / "data" / "only-copy.txt").read_text() == "precious"
+    assert sorted(p.name for p in mine.iterdir()) == ["data"]
+    assert _demo(tmp_path, "--out-of-nowhere").returncode == 2  # an unknown flag is not a folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["work"]
+
+
+def test_demo_starts_over_in_a_folder_it_made(tmp_path, monkeypatch):
+    """The folder of an earlier demo (its DEMO_MARK file) is replaced: `make demo` again starts over."""
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        from demo import DEMO_MARK as mark
+        from demo import fresh_out
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    out = tmp_path / "demo-out"
+    fresh_out(out)
+    assert sorted(p.name for p in out.iterdir()) == [mark]
+    (out / "raw").mkdir()
+    fresh_out(out)
+    assert sorted(p.name for p in out.iterdir()) == [mark]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    fresh_out(empty)
+    assert sorted(p.name for p in empty.iterdir()) == [mark]
+
+
+DEMO_MARK = ".fastio-demo"
+
+
 def test_bench_only_names_the_sections(capsys):
     from bench.run import SECTIONS
     from bench.run import main as bench_main

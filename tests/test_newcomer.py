@@ -130,6 +130,17 @@ def test_a_fastio_error_in_the_quickstart_is_one_line(data, tmp_path, warm):
         done.stderr
 
 
+def test_the_quickstart_prints_its_usage_for_help_and_an_epochs_that_is_not_a_number(tmp_path, warm):
+    """Found by the integrations review: `python examples/quickstart.py --help` read --help as DATA, made ./ckpt
+    (its lock file inside) and said `--help/train: no such dataset directory`; EPOCHS `two` ended in int()'s
+    ValueError traceback. Both print the usage now (exit 1), and make nothing."""
+    for args in (["--help"], ["-h"], ["ds", "ckpt", "two"]):
+        done = quickstart(warm, tmp_path, *args)
+        assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+        assert "python examples/quickstart.py [DATA [CKPT_DIR [EPOCHS]]]" in done.stderr, done.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_the_readme_fits_two_screens_and_starts_with_the_two_setup_commands():
     """A quickstart a newcomer reads whole: at most 250 lines, the two commands of a fresh clone first."""
     text = (ROOT / "README.md").read_text()

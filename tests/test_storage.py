@@ -4,7 +4,9 @@ StorageOptions of the wrong type (a number written as text, a bool) named when t
 from __future__ import annotations
 
 import os
+import re
 import time
+from pathlib import Path
 
 import pytest
 from s3server import fails_at_once
@@ -27,6 +29,22 @@ def test_urls_parse_and_unknown_schemes_are_errors(tmp_path):
         with pytest.raises(StorageError, match=words) as info:
             parse_location(bad)
         assert bad in str(info.value) and isinstance(info.value, FastioError)
+
+
+def test_an_s3_url_missing_its_colon_is_refused_not_made_a_local_folder(tmp_path, image_folder, capsys, monkeypatch):
+    """Found by the integrations review: `fastio convert images s3//bucket/ds` (the ':' left out) converted the whole
+    dataset into a local folder ./s3/bucket/ds and exited 0, where the user meant S3. A path that starts with a
+    remote scheme and '//' is refused naming the URL it looks like; ./s3//x is still a local path."""
+    from helpers import run_cli
+
+    for typo in ("s3//bucket/ds", "S3//bucket/ds"):
+        with pytest.raises(StorageError, match=re.escape(f"{typo}: looks like s3://bucket/ds with its ':' left out")):
+            parse_location(typo)
+    assert parse_location("./s3//x").path == Path("./s3//x")
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run_cli(["convert", str(image_folder), "s3//bucket/ds", "-q"], capsys)
+    assert code == 2 and err.startswith("fastio: error: s3//bucket/ds: looks like s3://bucket/ds"), err
+    assert not (tmp_path / "s3").exists()
 
 
 def test_options_come_from_the_environment_and_profiles_and_overrides_win(tmp_path):

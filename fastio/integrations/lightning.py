@@ -28,7 +28,10 @@ Lightning as a :class:`LightningLoader`:
   A checkpoint saved in ``on_train_epoch_end`` and restarted (``max_steps`` runs restart it) would send
   Lightning back into the finished epoch (for one more batch, or none) and then past the Loader's next epoch;
   the restore marks that epoch completed and starts the next afresh, as Lightning does when ``max_epochs`` runs
-  resume.
+  resume. One saved there mid-epoch, as a stop cut the epoch short (``max_steps``), would make
+  Lightning ``set_epoch`` the next epoch while it counts on in this one (the rest of this epoch never trained,
+  the next one's start trained twice); the restore unmarks that epoch, and Lightning resumes it where the Loader
+  is.
 
 A position the Loader refuses is a :class:`~fastio.errors.LoaderStateError` raised from ``trainer.fit`` once
 Lightning has restored the model (it restores the loaders' positions last, and nothing of fastio runs before
@@ -68,12 +71,17 @@ class _EpochSetter:
 def _align_progress(trainer: pl.Trainer, loader: Loader) -> None:
     """Reconcile the fit loop's progress with the position the Loader was just restored to, before Lightning's
     loop resumes (Lightning restores a training loader's position only when it restarts an epoch)."""
+    epochs, batches = trainer.fit_loop.epoch_progress, trainer.fit_loop.epoch_loop.batch_progress
     if loader.state_dict()["consumed"]:
         # what the Loader delivered of this epoch at its world size, so Lightning ends it (at len(loader)) when
         # the Loader does; at the world size of the save the counter already is that
         _set_batch_counter(trainer, len(loader) - loader.batches_left())
+        if epochs.current.ready == epochs.current.processed == epochs.current.completed + 1 and not batches.is_last_batch:
+            # Saved in on_train_epoch_end of an epoch a stop cut short (max_steps, max_time, should_stop): Lightning
+            # marked it processed, and would set_epoch the next one (the Loader leaves its position for that
+            # epoch's start) while it counts on in this one. Resume it mid-epoch, where the Loader is.
+            epochs.current.processed, epochs.total.processed = epochs.current.completed, epochs.total.completed
         return
-    epochs, batches = trainer.fit_loop.epoch_progress, trainer.fit_loop.epoch_loop.batch_progress
     if epochs.current.ready == epochs.current.processed == epochs.current.completed + 1:
         # Saved in on_train_epoch_end (every_n_epochs), and restarted (max_steps runs are): Lightning would go
         # back into the finished epoch (for one more batch, or none and then past the Loader's next epoch).

@@ -99,6 +99,17 @@ def refuse_empty(path: str | Path) -> None:
         raise StorageError(f"the path given is empty ({path!r}): name the folder ('.' for the current one)", url=path)
 
 
+def _refuse_colon_left_out(text: str) -> None:
+    """StorageError where a local path reads as a remote URL with its ``:`` left out (``s3//bucket/ds``): a dataset
+    converted there would land in a local ``s3/bucket/ds`` while its user believes it is on S3 (``./s3//x`` is
+    a local path)."""
+    m = re.match(r"([A-Za-z][A-Za-z0-9+.\-]*)//", text)
+    if m and m[1].lower() in REMOTE_SCHEMES:
+        url = f"{m[1].lower()}://{text[m.end():]}"
+        raise StorageError(f"{text}: looks like {url} with its ':' left out; write ./{text} for a local folder",
+                           url=text)
+
+
 def parse_location(dest: str | Path) -> Location:
     """Parse a DEST: a local path, ``file:///abs/path``, or ``s3://bucket[/prefix]``; an empty one is refused
     (:func:`refuse_empty`)."""
@@ -110,6 +121,7 @@ def parse_location(dest: str | Path) -> Location:
     text = str(dest)
     m = _SCHEME.match(text)
     if m is None:
+        _refuse_colon_left_out(text)
         return Location("file", text, path=Path(text))
     scheme = m[1].lower()
     if scheme == "file":
