@@ -318,19 +318,33 @@ def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None
 
 def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float, ...]]]:
     """The saved schedule (``schedule``, else the plain ``weights`` from position 0); LoaderStateError naming the
-    entry where it is not one a mixture has: positions from 0 that increase, weights positive numbers."""
+    entry and the value where it is not one a mixture has: integer positions from 0 that increase, weights positive
+    numbers (a float position or a numeric string is refused, not truncated or parsed)."""
     entries = saved["schedule"] if "schedule" in saved else [[0, saved["weights"]]]
+    key = "schedule" if "schedule" in saved else "weights"
     try:
-        phases = [(int(pos), tuple(float(w) for w in shares)) for pos, shares in entries]
+        raw = [(pos, list(shares)) for pos, shares in entries]
     except (TypeError, ValueError):
         raise LoaderStateError(f"{mixture.root}: loader state's mixture schedule is not [[position, weights], ...]: "
                                f"{entries!r}") from None
-    if not phases or any(len(w) != len(mixture.names) for _, w in phases):
+    if not raw or any(len(w) != len(mixture.names) for _, w in raw):
         raise LoaderStateError(f"{mixture.root}: loader state's mixture schedule does not give a weight per source: "
                                f"{entries!r}")
-    key = "schedule" if "schedule" in saved else "weights"
+    phases = []
+    for i, (pos, shares) in enumerate(raw):  # each value as it is: int() truncated 36.9, float() parsed "0.5"
+        where = f"entry {i}: " if key == "schedule" else ""
+        at = _state_integer(pos)
+        if at is None:
+            raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {where}"
+                                   f"position {pos!r} is not an integer")
+        weights = [_state_real(w) for w in shares]
+        if None in weights:
+            bad = shares[weights.index(None)]
+            raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {where}"
+                                   f"weight {bad!r} is not a number")
+        phases.append((at, tuple(weights)))
     try:
-        check_positions([pos for pos, _ in phases], key)  # as int() read them (a checkpoint's may be tensors)
+        check_positions([pos for pos, _ in phases], key)
     except ValueError as err:
         raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {err}") from None
     for pos, weights in phases:
@@ -339,6 +353,27 @@ def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float,
             raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}, not "
                                    f"positive weights: {bad!r} (at position {pos})")
     return phases
+
+
+def _state_integer(value: Any) -> int | None:
+    """A saved schedule's position as an int: an integer (a numpy or 0-d torch one too: a checkpoint round trip),
+    else None (a float, a numeric string, a bool)."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _state_real(value: Any) -> float | None:
+    """A saved weight as a float: a real number (a numpy or 0-d torch one too), else None (a numeric string, a
+    bool)."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
 
 
 def _same_entry(a: tuple[int, Sequence[float]], b: tuple[int, Sequence[float]]) -> bool:
