@@ -261,8 +261,7 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length.
     Plain weights on both sides (states from before schedules): as before, they may change at an epoch
     boundary (the new weights then order the stream as if they had always applied)."""
-    if not isinstance(saved, dict) or not {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
-            or not {"weights", "schedule"} & saved.keys():
+    if not _complete(saved):
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
     samples = _check_entry(mixture, saved)
     _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]), epoch)
@@ -307,7 +306,9 @@ def _check_entry(mixture: Mixture, saved: dict) -> int:
 def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None:
     if names != list(mixture.names):
         raise LoaderStateError(f"{mixture.root}: loader state is for sources {names}, this mixture has "
-                               f"{list(mixture.names)}")
+                               f"{list(mixture.names)} (a source added, removed, renamed or moved): the saved "
+                               f"position names samples of that mixture; start the next epoch in this mixture's order "
+                               f"{next_epoch_way(epoch)}")
     for name, old, new in zip(names, fps, mixture.fingerprints):
         if old != new:
             raise LoaderStateError(f"{mixture.root}: source {name!r} is dataset fingerprint {new}, the loader "
@@ -433,12 +434,27 @@ def next_epoch_way(epoch: int) -> str:
 
 
 def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:
-    """``saved`` (a loader state's mixture entry) naming the datasets of ``mixture``'s sources as they are now,
-    where it names the same sources: for a state moved to the start of an epoch, whose order is drawn from the
-    sources as they are (a source converted again since)."""
-    if isinstance(saved, dict) and saved.get("names") == list(mixture.names):
+    """``saved`` (a loader state's mixture entry) for a state moved to the start of an epoch, whose order is drawn
+    from the sources as they are: where it names the same sources, with their datasets as they are now (a source
+    converted again since); where it names other sources (one added, removed, renamed or moved: a data-schedule
+    change between runs), ``mixture``'s own entry, since the next epoch's order is this mixture's, a pure function
+    of the seed and the epoch (as ``set_epoch`` on a new Loader draws it). A damaged entry is kept as it is, for
+    :func:`check_mixture_state` to refuse naming it."""
+    if not _complete(saved):
+        return saved
+    try:
+        _check_entry(mixture, saved)
+    except LoaderStateError:
+        return saved
+    if list(saved["names"]) == list(mixture.names):
         return {**saved, "fingerprints": list(mixture.fingerprints)}
-    return saved
+    return mixture_state(mixture)
+
+
+def _complete(saved: Any) -> bool:
+    """Whether ``saved`` has the keys of a loader state's mixture entry."""
+    return isinstance(saved, dict) and {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
+        and bool({"weights", "schedule"} & saved.keys())
 
 
 def _location(ds: Dataset) -> str:
