@@ -208,3 +208,41 @@ def test_a_mixture_whose_sources_changed_restores_at_its_next_epoch(tmp_path, no
             alone.next_epoch_state({**saved, "seed": 4})
         for ld in (new, alone):
             ld.close()
+
+
+@pytest.mark.parametrize("was,now", [("one", "mix"), ("mix", "one")])
+def test_a_dataset_that_became_a_mixture_or_back_restores_at_its_next_epoch(tmp_path, was, now):
+    """A run on one dataset that adds a second source (or a mixture cut down to one dataset): the exact restore
+    refused it without a way forward ("loader state is not a mixture's (no complete 'mixture' entry)", "make it
+    with the same fastio.Mixture"), and so did the next-epoch restore; set_epoch(1) on a bare Loader worked."""
+    a, b = _small(tmp_path / "a", 30, 0), _small(tmp_path / "b", 7, 1)
+
+    def loader(kind):
+        target = fastio.Dataset(a) if kind == "one" else Mixture({"a": a, "b": b})
+        return Loader(target, batch_size=6, pipeline=Raw(), device="cpu", seed=5, world_size=1, rank=0, num_threads=1)
+
+    old = loader(was)
+    list(islice(iter(old), 2))
+    saved_model = nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(7, {"model": saved_model, "loader": old}, blocking=True)
+    saved = old.state_dict()
+    old.close()
+    model, new = _zeroed(), loader(now)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "loader": new})
+        assert WAY in str(err.value), err.value
+        state = ckpt.restore_latest({"model": model, "loader": new}, loader_policy="next-epoch")
+    assert state.epoch == 1 and torch.equal(model.weight, saved_model.weight)
+    assert (new.consumed, new.state_dict()["epoch"]) == (0, 1)
+    with loader(now) as fresh:
+        fresh.set_epoch(1)
+        assert next(iter(new))["index"].tolist() == next(iter(fresh))["index"].tolist()
+    with loader(now) as alone:
+        with pytest.raises(LoaderStateError) as err:
+            alone.load_state_dict(saved)
+        assert WAY in str(err.value), err.value
+        alone.load_state_dict(alone.next_epoch_state(saved))
+        assert (alone.state_dict()["epoch"], alone.consumed) == (1, 0)
+    new.close()

@@ -261,6 +261,10 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length.
     Plain weights on both sides (states from before schedules): as before, they may change at an epoch
     boundary (the new weights then order the stream as if they had always applied)."""
+    if saved is None:
+        raise LoaderStateError(f"{mixture.root}: loader state is of one dataset (no 'mixture' entry), this Loader reads "
+                               "a mixture (a source added since?): the saved position names samples of that dataset; "
+                               f"start the next epoch in this mixture's order {next_epoch_way(epoch)}")
     if not _complete(saved):
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
     samples = _check_entry(mixture, saved)
