@@ -154,3 +154,95 @@ def test_a_version_1_loader_state_restores_at_its_next_epoch(tmp_path, image_dat
         with pytest.raises(LoaderStateError, match=r"^loader state version 0 is not one a fastio writes"):
             fresh.load_state_dict({**v1, "version": 0})
     new.close()
+
+
+@pytest.mark.parametrize("now", [{"a": "a", "b": "b", "c": "c"},  # a source added
+                                 {"a": "a"},                       # one removed
+                                 {"a": "a", "bee": "b"},           # one renamed
+                                 {"b": "b", "a": "a"}])            # reordered (the names number the sources)
+def test_a_mixture_whose_sources_changed_restores_at_its_next_epoch(tmp_path, now):
+    """A data-schedule change between runs (a source added, removed, renamed): the exact restore refuses it (the
+    saved position names samples of the old mixture), but loader_policy='next-epoch' and Loader.next_epoch_state
+    refused it too ("loader state is for sources ['a', 'b'], this mixture has ..."), so the model and optimizer
+    could not be restored alongside, while set_epoch(1) on a bare Loader worked. Now the next epoch is the new
+    mixture's (a pure function of seed and epoch), with a plain weights or a schedule, and the exact refusal names
+    the way there."""
+    paths = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1), "c": _small(tmp_path / "c", 13, 2)}
+
+    def loader(names, weights=None):
+        return Loader(Mixture({k: paths[v] for k, v in names.items()}, weights=weights), batch_size=6, pipeline=Raw(),
+                      device="cpu", seed=5, world_size=1, rank=0, num_threads=1, prefetch=2)
+
+    old = loader({"a": "a", "b": "b"}, {"a": 1, "b": 1})
+    list(islice(iter(old), 2))
+    saved = old.state_dict()
+    saved_model = nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(7, {"model": saved_model, "loader": old}, blocking=True)
+    old.close()
+    for weights in (None, [(0, {k: 1 for k in now}), (60, {k: 1 + i for i, k in enumerate(now)})]):
+        model, new = _zeroed(), loader(now, weights)
+        with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+            with pytest.raises(CheckpointError) as err:
+                ckpt.restore_latest({"model": model, "loader": new})
+            text = str(err.value)
+            assert "loader state is for sources ['a', 'b'], this mixture has" in text and WAY in text, text
+            assert torch.count_nonzero(model.weight) == 0
+            state = ckpt.restore_latest({"model": model, "loader": new}, loader_policy="next-epoch")
+        assert state.epoch == 1 and torch.equal(model.weight, saved_model.weight)
+        restored = new.state_dict()
+        assert (restored["epoch"], restored["consumed"]) == (1, 0)
+        fresh = loader(now, weights)
+        fresh.set_epoch(1)
+        want = list(islice(iter(fresh), 3))
+        got = list(islice(iter(new), 3))
+        assert all(a["source"].tolist() == b["source"].tolist() and a["index"].tolist() == b["index"].tolist()
+                   for a, b in zip(want, got))
+        fresh.close()
+        alone = loader(now, weights)  # a Loader alone
+        with pytest.raises(LoaderStateError, match="this mixture has") as err:
+            alone.load_state_dict(saved)
+        assert WAY in str(err.value), err.value
+        assert alone.next_epoch_state(saved) == restored
+        with pytest.raises(LoaderStateError, match="seed=4, this loader seed=5"):  # the rest is still checked
+            alone.next_epoch_state({**saved, "seed": 4})
+        for ld in (new, alone):
+            ld.close()
+
+
+@pytest.mark.parametrize("was,now", [("one", "mix"), ("mix", "one")])
+def test_a_dataset_that_became_a_mixture_or_back_restores_at_its_next_epoch(tmp_path, was, now):
+    """A run on one dataset that adds a second source (or a mixture cut down to one dataset): the exact restore
+    refused it without a way forward ("loader state is not a mixture's (no complete 'mixture' entry)", "make it
+    with the same fastio.Mixture"), and so did the next-epoch restore; set_epoch(1) on a bare Loader worked."""
+    a, b = _small(tmp_path / "a", 30, 0), _small(tmp_path / "b", 7, 1)
+
+    def loader(kind):
+        target = fastio.Dataset(a) if kind == "one" else Mixture({"a": a, "b": b})
+        return Loader(target, batch_size=6, pipeline=Raw(), device="cpu", seed=5, world_size=1, rank=0, num_threads=1)
+
+    old = loader(was)
+    list(islice(iter(old), 2))
+    saved_model = nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(7, {"model": saved_model, "loader": old}, blocking=True)
+    saved = old.state_dict()
+    old.close()
+    model, new = _zeroed(), loader(now)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "loader": new})
+        assert WAY in str(err.value), err.value
+        state = ckpt.restore_latest({"model": model, "loader": new}, loader_policy="next-epoch")
+    assert state.epoch == 1 and torch.equal(model.weight, saved_model.weight)
+    assert (new.consumed, new.state_dict()["epoch"]) == (0, 1)
+    with loader(now) as fresh:
+        fresh.set_epoch(1)
+        assert next(iter(new))["index"].tolist() == next(iter(fresh))["index"].tolist()
+    with loader(now) as alone:
+        with pytest.raises(LoaderStateError) as err:
+            alone.load_state_dict(saved)
+        assert WAY in str(err.value), err.value
+        alone.load_state_dict(alone.next_epoch_state(saved))
+        assert (alone.state_dict()["epoch"], alone.consumed) == (1, 0)
+    new.close()

@@ -231,7 +231,7 @@ def test_train_crops_are_a_pure_function_of_seed_epoch_sample_and_image_number(s
 def test_exact_resume_is_bitwise_with_train_crops(vlm):
     state = check_resume(lambda: _loader(vlm["ds"], image=fastio.ImageTrain(size=SIZE)), n=3, k=4)
     assert state["image_text"] == {"version": 1, "seq_len": SEQ, "image_seq_len": IMAGE_SEQ, "packing": "best-fit",
-                                   "max_images": None, "window": 16}
+                                   "max_images": None, "window": 16, "packing_version": 2}
     assert len(json.dumps(state)) < 500
 
 
@@ -310,6 +310,37 @@ def test_a_state_of_other_options_or_another_kind_is_refused(vlm):
         other.load_state_dict(state)
     with _loader(vlm["ds"]) as ld, pytest.raises(LoaderStateError, match="version=2, this Loader's .* version=1"):
         ld.load_state_dict({**state, "image_text": {**state["image_text"], "version": 2}})
+
+
+@pytest.mark.parametrize("max_images", [None, 3])
+def test_a_state_of_another_packing_version_is_refused_naming_both_and_the_next_epoch(vlm, max_images):
+    """a242d84 changed max_images' packing without a word in the state: a state saved before resumed onto other
+    sequences silently. The entry now records PACKING_VERSION; another is refused naming both and the next epoch,
+    which next_epoch_state packs anew; a state saved before the field is taken as today's packing (all but the
+    first hour of ImageText's states were made by it: fastio/tokens/packing.py's PACKING_VERSION)."""
+    from fastio.tokens.packing import PACKING_VERSION
+
+    with _loader(vlm["ds"], max_images=max_images) as ld:
+        stream = iter(ld)
+        list(islice(stream, 2))
+        state = ld.state_dict()
+        want = next(stream)
+    entry = state["image_text"]
+    assert entry["packing_version"] == PACKING_VERSION
+    other = {**state, "image_text": {**entry, "packing_version": PACKING_VERSION - 1}}
+    with _loader(vlm["ds"], max_images=max_images) as ld:
+        with pytest.raises(LoaderStateError, match=rf"^loader state's image_text entry was packed by packing version "
+                                                   rf"{PACKING_VERSION - 1}, this fastio packs by version "
+                                                   rf"{PACKING_VERSION} .*loader_policy='next-epoch'"):
+            ld.load_state_dict(other)
+        moved = ld.next_epoch_state(other)
+        assert (moved["epoch"], moved["consumed"]) == (1, 0)
+        ld.load_state_dict(moved)  # nothing of that epoch delivered: packed anew
+        assert ld.state_dict()["image_text"]["packing_version"] == PACKING_VERSION
+    before = {**state, "image_text": {k: v for k, v in entry.items() if k != "packing_version"}}
+    with _loader(vlm["ds"], max_images=max_images) as ld:
+        ld.load_state_dict(before)
+        assert torch.equal(next(iter(ld))["tokens"], want["tokens"])
     tokens = fastio.Loader(vlm["ds"], pipeline=fastio.Raw(), batch_size=2, device="cpu", seed=3)
     raw_state = tokens.state_dict()
     tokens.close()

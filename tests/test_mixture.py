@@ -294,20 +294,41 @@ def test_weights_change_only_at_an_epoch_boundary(raw_sources):
                                          ("weights", [3, -2, 1]), ("weights", [3, 2, float("inf")]),
                                          ("schedule", [[0, [3, 2, 1]], [0, [1, 1, 1]]]),
                                          ("schedule", [[0, [3, 2, 1]], [-5, [1, 1, 1]]]),
-                                         ("schedule", [[0, [3, 2, 1]], [900, [1, float("nan"), 1]]])])
+                                         ("schedule", [[0, [3, 2, 1]], [900, [1, float("nan"), 1]]]),
+                                         # read loosely before: int() truncated 36.9, float() took "3"
+                                         ("schedule", [[0, [3, 2, 1]], [36.9, [1, 1, 1]]]),
+                                         ("schedule", [[0, [3, 2, 1]], ["36", [1, 1, 1]]]),
+                                         ("schedule", [[0.0, [3, 2, 1]], [36, [1, 1, 1]]]),
+                                         ("schedule", [[0, [3, "2", 1]], [36, [1, 1, 1]]]),
+                                         ("schedule", [[0, [3, 2, 1]], [True, [1, 1, 1]]]),
+                                         ("weights", ["3", 2, 1]), ("weights", [3, True, 1])])
 def test_a_hand_edited_mixture_entry_is_refused_naming_it(raw_sources, entry, value):
     """A state's ``mixture`` entry with names or fingerprints that are not lists failed with a bare
     "TypeError: 'int' object is not iterable"; a samples_per_epoch that is not an integer with a bare ValueError
     or TypeError from int(), or was truncated (50.5 read as 50); names "ab" was read as ['a', 'b']. Weights that
     are no positive numbers (NaN, 0, -2, inf) were taken for another mixture's, and the refusal suggested a
     schedule holding them, which Mixture refuses; a schedule with such weights in its future, or positions that
-    do not increase, was taken without a word."""
+    do not increase, was taken without a word. A position that is no integer (36.9, "36") or a weight that is no
+    number ("2") was read with int() / float(): truncated or parsed; now refused naming the entry and the value."""
     loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
     next(iter(loader))
     state = loader.state_dict()
     bad = {**state, "mixture": {**state["mixture"], entry: value}}
     with pytest.raises(LoaderStateError, match=rf"^mixture\(a, b, c\): loader state's mixture entry has {entry}="):
         loader.load_state_dict(bad)
+    loader.close()
+
+
+def test_a_schedule_from_a_checkpoint_round_trip_is_read(raw_sources):
+    """Positions and weights a checkpoint round trip made numpy or 0-d torch numbers are numbers: read as such."""
+    import torch
+
+    loader = _scheduled_loader(raw_sources, _SCHEDULE)
+    list(islice(batches(loader), 2))
+    state = loader.state_dict()
+    schedule = [[torch.tensor(pos), [np.float64(w) for w in shares[:2]] + [torch.tensor(shares[2], dtype=torch.float64)]]
+                for pos, shares in state["mixture"]["schedule"]]
+    loader.load_state_dict({**state, "mixture": {**state["mixture"], "schedule": schedule}})
     loader.close()
 
 
@@ -770,3 +791,18 @@ def test_a_billion_positions_on_rank_999_of_1000_cost_what_a_batch_costs(raw_sou
         assert max(made, saved, loaded, first) < 4 << 20, (n, made, saved, loaded, first)
         assert batch["padded"].tolist() == [True]  # 7 left for 1000 ranks: rank 999 gets one padded repeat
         assert (ld.state_dict()["epoch"], ld.state_dict()["consumed"]) == (6, 0)
+
+
+@pytest.mark.parametrize("entry,value,named", [("schedule", [[0, [3, 2, 1]], [36.9, [1, 1, 1]]],
+                                                "entry 1: position 36.9 is not an integer"),
+                                               ("schedule", [[0, [3, 2, 1]], ["36", [1, 1, 1]]],
+                                                "entry 1: position '36' is not an integer"),
+                                               ("schedule", [[0, [3, "2", 1]], [36, [1, 1, 1]]],
+                                                "entry 0: weight '2' is not a number"),
+                                               ("weights", ["3", 2, 1], "weight '3' is not a number")])
+def test_a_loosely_written_schedule_names_the_entry_and_the_value(raw_sources, entry, value, named):
+    loader = _raw_loader(raw_sources, {"a": 3, "b": 2, "c": 1})
+    state = loader.state_dict()
+    with pytest.raises(LoaderStateError, match=re.escape(named) + "$"):
+        loader.load_state_dict({**state, "mixture": {**state["mixture"], entry: value}})
+    loader.close()

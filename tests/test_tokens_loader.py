@@ -78,7 +78,7 @@ def test_best_fit_marks_padding_and_cuts_no_short_document(corpus):
 @pytest.mark.parametrize("packing", ["concat", "best-fit"])
 def test_exact_resume_is_bitwise(corpus, packing):
     state = check_resume(lambda: _loader(corpus, packing), n=5, k=6)
-    assert state["tokens"] == {"seq_len": SEQ, "packing": packing, "window": 8}
+    assert state["tokens"] == {"seq_len": SEQ, "packing": packing, "window": 8, "packing_version": 2}
     assert len(json.dumps(state)) < 400  # a position, not a packing buffer
 
 
@@ -137,6 +137,42 @@ def test_a_state_packed_otherwise_is_refused(corpus, image_dataset):
         image_state = images.state_dict()
     with _loader(corpus) as ld, pytest.raises(LoaderStateError, match="not of packed token sequences"):
         ld.load_state_dict(image_state)
+
+
+@pytest.mark.parametrize("packing", ["concat", "best-fit"])
+def test_a_state_of_another_packing_version_is_refused_naming_both_and_the_next_epoch(corpus, packing):
+    """The Tokens entry did not record which packing made the sequences: a change of the packing (as a242d84 made
+    to ImageText's) would have resumed onto other sequences silently. Now it records PACKING_VERSION; a state of
+    another version is refused naming both and the way forward (the next epoch, packed by this fastio), and a
+    state saved before the field continues (the packing is the same since the first Tokens state, c651ae8)."""
+    from fastio.tokens.packing import PACKING_VERSION
+
+    with _loader(corpus, packing) as ld:
+        stream = iter(ld)
+        list(islice(stream, 2))
+        state = ld.state_dict()
+        want = next(stream)
+    assert state["tokens"]["packing_version"] == PACKING_VERSION
+    other = {**state, "tokens": {**state["tokens"], "packing_version": PACKING_VERSION - 1}}
+    with _loader(corpus, packing) as ld:
+        with pytest.raises(LoaderStateError, match=rf"^loader state's tokens entry was packed by packing version "
+                                                   rf"{PACKING_VERSION - 1}, this fastio packs by version "
+                                                   rf"{PACKING_VERSION} .*start the next epoch .*loader_policy="
+                                                   r"'next-epoch'.*set_epoch\(1\)"):
+            ld.load_state_dict(other)
+        moved = ld.next_epoch_state(other)
+        assert (moved["epoch"], moved["consumed"]) == (1, 0)  # nothing of it delivered: packed anew
+        ld.load_state_dict(moved)
+        got = next(iter(ld))
+    with _loader(corpus, packing) as fresh:
+        fresh.set_epoch(1)
+        assert torch.equal(got["tokens"], next(iter(fresh))["tokens"])
+    with _loader(corpus, packing) as ld, pytest.raises(LoaderStateError, match=r"packing_version='2', not an integer"):
+        ld.load_state_dict({**moved, "tokens": {**state["tokens"], "packing_version": "2"}})
+    before = {**state, "tokens": {k: v for k, v in state["tokens"].items() if k != "packing_version"}}
+    with _loader(corpus, packing) as ld:
+        ld.load_state_dict(before)  # saved before the field: today's packing made it
+        assert torch.equal(next(iter(ld))["tokens"], want["tokens"])
 
 
 @pytest.mark.parametrize("packing", ["concat", "best-fit"])

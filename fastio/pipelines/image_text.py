@@ -24,8 +24,9 @@ from fastio.pipelines.base import (
     evaluation_of,
 )
 from fastio.pipelines.image import ImageEval, ImageTrain, decodable, image_problem
-from fastio.pipelines.tokens import check_entry
+from fastio.pipelines.tokens import K_PACKING_VERSION, check_entry
 from fastio.read.reader import ReadBatch
+from fastio.tokens.packing import PACKING_VERSION
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -39,7 +40,8 @@ if TYPE_CHECKING:
 __all__ = ["ImageText"]
 
 STATE_VERSION = 1
-"""The version of that entry (the packing's rule and the draw keys): a state of another version is refused."""
+"""The version of that entry (its draw keys; the packing's rules are its ``packing_version``,
+:data:`fastio.tokens.packing.PACKING_VERSION`): a state of another version is refused."""
 _ARRAYS = ("tokens", "loss_mask", "position_ids", "cu_seqlens", "segment_ids", "image_rows", "image_starts")
 
 
@@ -205,7 +207,8 @@ class ImageText(Pipeline):
 
     def state_dict(self) -> dict[str, Any]:
         return {K_IMAGE_TEXT: {"version": STATE_VERSION, "seq_len": self.seq_len, "image_seq_len": self.image_seq_len,
-                               "packing": self.packing, "max_images": self.max_images, "window": self.window}}
+                               "packing": self.packing, "max_images": self.max_images, "window": self.window,
+                               K_PACKING_VERSION: PACKING_VERSION}}
 
     def check_state(self, state: dict[str, Any]) -> None:
         check_entry(state, K_IMAGE_TEXT, self.state_dict()[K_IMAGE_TEXT], "packed image-text sequences", "ImageText")

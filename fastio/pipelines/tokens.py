@@ -11,7 +11,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.pipelines.base import K_TOKENS, PACKED_UNIT, Delivery, Pipeline, Placement, Source, same_entry
 from fastio.pipelines.image import refuse_image_text
-from fastio.tokens.packing import PACKINGS
+from fastio.read.mixture import next_epoch_way
+from fastio.tokens.packing import PACKING_VERSION, PACKINGS
 
 if TYPE_CHECKING:
     from fastio.dataset.dataset import Dataset
@@ -111,22 +112,47 @@ class Tokens(Pipeline):
         return {**{name: torch.from_numpy(arrays[name]) for name in names}, "max_seqlen": int(arrays["max_seqlen"])}
 
     def state_dict(self) -> dict[str, Any]:
-        return {K_TOKENS: {"seq_len": self.seq_len, "packing": self.packing, "window": self.window}}
+        return {K_TOKENS: {"seq_len": self.seq_len, "packing": self.packing, "window": self.window,
+                           K_PACKING_VERSION: PACKING_VERSION}}
 
     def check_state(self, state: dict[str, Any]) -> None:
         check_entry(state, K_TOKENS, self.state_dict()[K_TOKENS], "packed token sequences", "Tokens")
 
 
+K_PACKING_VERSION = "packing_version"
+"""The entry's key recording :data:`fastio.tokens.packing.PACKING_VERSION`: which rules packed the sequences."""
+
+
 def check_entry(state: dict[str, Any], entry: str, mine: dict[str, Any], what: str, name: str) -> None:
     """LoaderStateError unless ``state`` (a whole Loader state) has an entry ``entry`` equal to ``mine`` (the options
-    of a ``fastio.NAME`` pipeline whose units are ``what``), naming the first option that differs."""
+    of a ``fastio.NAME`` pipeline whose units are ``what``), naming the first option that differs; first its
+    ``packing_version``: one of another is refused naming both and the next epoch, unless the state is at the
+    start of an epoch (``consumed`` 0: nothing of it delivered, so this fastio packs it anew, as
+    :meth:`fastio.Loader.next_epoch_state` moves a state there); none: saved before the field, taken as today's
+    (see :data:`~fastio.tokens.packing.PACKING_VERSION`)."""
     saved = state.get(entry)
     if saved is None:
         raise LoaderStateError(f"loader state is not of {what} (no {entry!r} entry), this Loader reads fastio.{name}")
     if not isinstance(saved, dict):
         raise LoaderStateError(f"loader state's {entry!r} entry is {type(saved).__name__}, not the options of "
                                f"fastio.{name} (a damaged state)")
+    saved = {K_PACKING_VERSION: PACKING_VERSION, **saved}  # saved before the field: today's packing (PACKING_VERSION)
+    version = saved[K_PACKING_VERSION]
+    if isinstance(version, (bool, str, bytes)) or not hasattr(version, "__index__"):
+        raise LoaderStateError(f"loader state's {entry} entry has packing_version={version!r:.80}, not an integer (a "
+                               "damaged or hand-edited state)")
+    if not same_entry(saved[K_PACKING_VERSION], PACKING_VERSION) and state.get("consumed") != 0:
+        raise LoaderStateError(f"loader state's {entry} entry was packed by packing version "
+                               f"{saved[K_PACKING_VERSION]!r}, this fastio packs by version {PACKING_VERSION} (the "
+                               f"saved position would name other sequences): start the next epoch "
+                               f"{next_epoch_way(_epoch(state))}, which this fastio packs anew")
     for key, value in mine.items():
-        if not same_entry(saved.get(key), value):
+        if key != K_PACKING_VERSION and not same_entry(saved.get(key), value):
             raise LoaderStateError(f"loader state has {entry} {key}={saved.get(key)!r}, this Loader's "
                                    f"fastio.{name} {key}={value!r} (the sequences would differ)")
+
+
+def _epoch(state: dict[str, Any]) -> int:
+    """The state's epoch for the way forward's ``set_epoch(epoch + 1)`` (checked an integer by then)."""
+    epoch = state.get("epoch")
+    return epoch if isinstance(epoch, int) else 0

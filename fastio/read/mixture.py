@@ -261,8 +261,11 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length.
     Plain weights on both sides (states from before schedules): as before, they may change at an epoch
     boundary (the new weights then order the stream as if they had always applied)."""
-    if not isinstance(saved, dict) or not {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
-            or not {"weights", "schedule"} & saved.keys():
+    if saved is None:
+        raise LoaderStateError(f"{mixture.root}: loader state is of one dataset (no 'mixture' entry), this Loader reads "
+                               "a mixture (a source added since?): the saved position names samples of that dataset; "
+                               f"start the next epoch in this mixture's order {next_epoch_way(epoch)}")
+    if not _complete(saved):
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
     samples = _check_entry(mixture, saved)
     _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]), epoch)
@@ -307,7 +310,9 @@ def _check_entry(mixture: Mixture, saved: dict) -> int:
 def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None:
     if names != list(mixture.names):
         raise LoaderStateError(f"{mixture.root}: loader state is for sources {names}, this mixture has "
-                               f"{list(mixture.names)}")
+                               f"{list(mixture.names)} (a source added, removed, renamed or moved): the saved "
+                               f"position names samples of that mixture; start the next epoch in this mixture's order "
+                               f"{next_epoch_way(epoch)}")
     for name, old, new in zip(names, fps, mixture.fingerprints):
         if old != new:
             raise LoaderStateError(f"{mixture.root}: source {name!r} is dataset fingerprint {new}, the loader "
@@ -318,19 +323,33 @@ def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None
 
 def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float, ...]]]:
     """The saved schedule (``schedule``, else the plain ``weights`` from position 0); LoaderStateError naming the
-    entry where it is not one a mixture has: positions from 0 that increase, weights positive numbers."""
+    entry and the value where it is not one a mixture has: integer positions from 0 that increase, weights positive
+    numbers (a float position or a numeric string is refused, not truncated or parsed)."""
     entries = saved["schedule"] if "schedule" in saved else [[0, saved["weights"]]]
+    key = "schedule" if "schedule" in saved else "weights"
     try:
-        phases = [(int(pos), tuple(float(w) for w in shares)) for pos, shares in entries]
+        raw = [(pos, list(shares)) for pos, shares in entries]
     except (TypeError, ValueError):
         raise LoaderStateError(f"{mixture.root}: loader state's mixture schedule is not [[position, weights], ...]: "
                                f"{entries!r}") from None
-    if not phases or any(len(w) != len(mixture.names) for _, w in phases):
+    if not raw or any(len(w) != len(mixture.names) for _, w in raw):
         raise LoaderStateError(f"{mixture.root}: loader state's mixture schedule does not give a weight per source: "
                                f"{entries!r}")
-    key = "schedule" if "schedule" in saved else "weights"
+    phases = []
+    for i, (pos, shares) in enumerate(raw):  # each value as it is: int() truncated 36.9, float() parsed "0.5"
+        where = f"entry {i}: " if key == "schedule" else ""
+        at = _state_integer(pos)
+        if at is None:
+            raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {where}"
+                                   f"position {pos!r} is not an integer")
+        weights = [_state_real(w) for w in shares]
+        if None in weights:
+            bad = shares[weights.index(None)]
+            raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {where}"
+                                   f"weight {bad!r} is not a number")
+        phases.append((at, tuple(weights)))
     try:
-        check_positions([pos for pos, _ in phases], key)  # as int() read them (a checkpoint's may be tensors)
+        check_positions([pos for pos, _ in phases], key)
     except ValueError as err:
         raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {err}") from None
     for pos, weights in phases:
@@ -339,6 +358,27 @@ def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float,
             raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}, not "
                                    f"positive weights: {bad!r} (at position {pos})")
     return phases
+
+
+def _state_integer(value: Any) -> int | None:
+    """A saved schedule's position as an int: an integer (a numpy or 0-d torch one too: a checkpoint round trip),
+    else None (a float, a numeric string, a bool)."""
+    if isinstance(value, (bool, str, bytes)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def _state_real(value: Any) -> float | None:
+    """A saved weight as a float: a real number (a numpy or 0-d torch one too), else None (a numeric string, a
+    bool)."""
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # a 0-d tensor or array
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    return float(value)
 
 
 def _same_entry(a: tuple[int, Sequence[float]], b: tuple[int, Sequence[float]]) -> bool:
@@ -398,12 +438,27 @@ def next_epoch_way(epoch: int) -> str:
 
 
 def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:
-    """``saved`` (a loader state's mixture entry) naming the datasets of ``mixture``'s sources as they are now,
-    where it names the same sources: for a state moved to the start of an epoch, whose order is drawn from the
-    sources as they are (a source converted again since)."""
-    if isinstance(saved, dict) and saved.get("names") == list(mixture.names):
+    """``saved`` (a loader state's mixture entry) for a state moved to the start of an epoch, whose order is drawn
+    from the sources as they are: where it names the same sources, with their datasets as they are now (a source
+    converted again since); where it names other sources (one added, removed, renamed or moved: a data-schedule
+    change between runs), ``mixture``'s own entry, since the next epoch's order is this mixture's, a pure function
+    of the seed and the epoch (as ``set_epoch`` on a new Loader draws it). A damaged entry is kept as it is, for
+    :func:`check_mixture_state` to refuse naming it."""
+    if not _complete(saved):
+        return saved
+    try:
+        _check_entry(mixture, saved)
+    except LoaderStateError:
+        return saved
+    if list(saved["names"]) == list(mixture.names):
         return {**saved, "fingerprints": list(mixture.fingerprints)}
-    return saved
+    return mixture_state(mixture)
+
+
+def _complete(saved: Any) -> bool:
+    """Whether ``saved`` has the keys of a loader state's mixture entry."""
+    return isinstance(saved, dict) and {"names", "fingerprints", "samples_per_epoch"} <= saved.keys() \
+        and bool({"weights", "schedule"} & saved.keys())
 
 
 def _location(ds: Dataset) -> str:

@@ -25,7 +25,7 @@ import torch
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.sampler import Sampler, SamplerSpec
-from fastio.read.loss_masks import check_dataset_masks, check_mixture_masks, dataset_masks, mixture_masks
+from fastio.read.loss_masks import K_LOSS_MASK, check_dataset_masks, check_mixture_masks, dataset_masks, mixture_masks
 from fastio.read.mixture import (
     MixReader,
     Mixture,
@@ -260,11 +260,16 @@ class DatasetReadSet(ReadSet):
         if saved is not None:
             names = ", ".join(map(repr, saved.get("names", []))) if isinstance(saved, dict) else ""
             raise LoaderStateError(f"{self.root}: loader state is of a mixture (sources {names}), this "
-                                   "Loader reads one dataset: make it with the same fastio.Mixture")
+                                   "Loader reads one dataset: make it with the same fastio.Mixture to continue the "
+                                   f"saved epoch, or start the next epoch on this dataset {next_epoch_way(epoch)}")
         check_dataset_masks(self.target, state, next_epoch_way(epoch))
 
     def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        return dataset_masks(self.target)
+        if state.get(K_MIXTURE) is None:
+            return dataset_masks(self.target)
+        # a mixture's state (its sources cut down to this dataset): the next epoch is this dataset's, the mixture's
+        # entries go (None: what a state without them reads as)
+        return {K_MIXTURE: None, K_LOSS_MASK: None, **dataset_masks(self.target)}
 
     def stats(self) -> dict[str, Any]:
         files = self.sources[0].files
@@ -332,8 +337,9 @@ class MixtureReadSet(ReadSet):
 
     def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
         renewed = mixture_masks(self.names, self.target.datasets)
-        if K_MIXTURE in state:
-            renewed[K_MIXTURE] = renewed_mixture_state(self.target, state.get(K_MIXTURE))
+        if state.get(K_MIXTURE) is None:  # one dataset's state (a source added since): this mixture's next epoch
+            return {K_LOSS_MASK: None, **renewed, K_MIXTURE: mixture_state(self.target)}
+        renewed[K_MIXTURE] = renewed_mixture_state(self.target, state.get(K_MIXTURE))
         return renewed
 
     def count(self, positions: dict[str, torch.Tensor], padded: np.ndarray) -> None:

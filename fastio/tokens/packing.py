@@ -55,13 +55,27 @@ from fastio.order.feistel import GOLDEN, domain_bits, permute, round_keys
 from fastio.order.sampler import Sampler, SamplerSpec
 from fastio.words import count
 
-__all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "BestFitPacking", "ConcatPacking", "DocumentTable", "Piece",
-           "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts", "piece_bounds", "piece_starts",
-           "position_ids", "positions_from", "ramp", "ramp_to", "segment_ids"]
+__all__ = ["FITS", "PACKING_ALGORITHM", "PACKINGS", "PACKING_VERSION", "BestFitPacking", "ConcatPacking",
+           "DocumentTable", "Piece", "Spans", "boundaries", "cu_from", "cu_seqlens", "document_starts", "piece_bounds",
+           "piece_starts", "position_ids", "positions_from", "ramp", "ramp_to", "segment_ids"]
 
 PACKING_ALGORITHM = "concat-blocks-v1"
 """Names the document order :class:`ConcatPacking` computes (part of its fingerprint)."""
 PACKINGS = ("concat", "best-fit")
+PACKING_VERSION = 2
+"""The version of the rules by which the packings here make sequences (which documents, split where, in which
+sequence): the Tokens and ImageText loader states record it (``packing_version``), and a state of another version
+is refused (its position would name other sequences). Bump it with any change to the sequences a packing makes.
+
+1. The packings of ``fastio.Tokens`` (concat, best-fit) and ImageText's best-fit as first written (183718b);
+   with a budget (ImageText's ``max_images``) a sequence whose images were spent took no more samples.
+2. a242d84: such a sequence still takes image-less samples while it has room; nothing else changed.
+
+States saved before the field (none records it) are taken as version 2, today's: every Tokens state (its
+packings make the same sequences from c651ae8, the first Tokens state, to version 2: both packings compared
+over two epochs), every ImageText state without ``max_images`` (the change needs a budget), and every ImageText
+state with it since a242d84; only those saved in ImageText's first hour (183718b..a242d84) with ``max_images``
+were version 1, and cannot be told from the rest."""
 STREAM_TABLE_DOCS = 1 << 19
 """Up to this many documents, :meth:`ConcatPacking.spans` searches a table of the whole epoch's stream (24 bytes a
 document, built once per epoch, two epochs kept) and :meth:`BestFitPacking.spans` one of every block's packed
