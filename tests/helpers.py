@@ -1,8 +1,8 @@
 """Small helpers several test modules share: a stateful holder for checkpoint tests, the CLI in-process, a
 WebDataset tar indexed by ``fastio index``, real ranks in processes forked from a server that imported torch once
 (``free_port``, ``join_group``, ``spawn_ranks``, ``start_ranks``, ``rank_process``; ``fork_ranks``: from one of them
-that did the ranks' other imports once), a rank stopping itself for a while (``stop_for``), and Ctrl-C's default
-action for a child a test interrupts (``ctrl_c_default``)."""
+that did the ranks' other imports once), a rank stopping itself for a while (``stop_for``), Ctrl-C's default
+action for a child a test interrupts (``ctrl_c_default``), and a converted dataset without labels (``unlabelled``)."""
 
 import io
 import os
@@ -289,3 +289,16 @@ def ctrl_c_default() -> None:
     where pytest runs as a shell's background job (which inherits SIGINT ignored: Python would then install no
     handler, and the child would run on as if never interrupted)."""
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def unlabelled(tmp_path: Path) -> Path:
+    """``tmp_path/unlabelled``: a flat folder of 12 images (no class folders) converted: a dataset without labels."""
+    from PIL import Image
+
+    from fastio.convert.run import ConvertConfig, convert
+
+    (tmp_path / "flat").mkdir()
+    for k in range(12):
+        Image.new("RGB", (40, 30), (20 * k, 90, 200)).save(tmp_path / "flat" / f"p{k}.png")
+    convert(ConvertConfig(source=tmp_path / "flat", dest=tmp_path / "unlabelled", workers=1, progress=False))
+    return tmp_path / "unlabelled"

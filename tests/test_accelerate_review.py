@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import unlabelled
 
 pytest.importorskip("accelerate")
 
@@ -66,17 +67,6 @@ def test_the_example_writes_weights_into_a_folder_not_made_yet_and_refuses_a_fol
     assert sorted(p.name for p in weights.parent.iterdir()) == ["w.pt"]
 
 
-def _unlabelled(tmp_path: Path) -> Path:
-    """A flat folder of 12 images (no class folders), converted: a dataset without labels."""
-    from PIL import Image
-
-    from fastio.convert.run import ConvertConfig, convert
-
-    (tmp_path / "flat").mkdir()
-    for k in range(12):
-        Image.new("RGB", (40, 30), (20 * k, 90, 200)).save(tmp_path / "flat" / f"p{k}.png")
-    convert(ConvertConfig(source=tmp_path / "flat", dest=tmp_path / "unlabelled", workers=1, progress=False))
-    return tmp_path / "unlabelled"
 
 
 def test_the_example_refuses_a_dataset_without_labels_in_one_line(tmp_path, monkeypatch):
@@ -85,6 +75,6 @@ def test_the_example_refuses_a_dataset_without_labels_in_one_line(tmp_path, monk
     from fastio import FastioError
 
     monkeypatch.chdir(tmp_path)
-    data = _unlabelled(tmp_path)
+    data = unlabelled(tmp_path)
     with pytest.raises(FastioError, match=f"^{data}: a dataset without labels"):
         _main()(["--data", str(data), "--epochs", "1"])

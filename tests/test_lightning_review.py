@@ -11,6 +11,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from helpers import unlabelled
 
 from fastio import ImageEval, ImageTrain, Loader
 
@@ -131,17 +132,6 @@ def test_a_plain_training_loader_goes_on_with_its_epoch_after_one_lightning_ende
            "the Loader's" in text
 
 
-def _unlabelled(tmp_path: Path) -> Path:
-    """A flat folder of 12 images (no class folders), converted: a dataset without labels."""
-    from PIL import Image
-
-    from fastio.convert.run import ConvertConfig, convert
-
-    (tmp_path / "flat").mkdir()
-    for k in range(12):
-        Image.new("RGB", (40, 30), (20 * k, 90, 200)).save(tmp_path / "flat" / f"p{k}.png")
-    convert(ConvertConfig(source=tmp_path / "flat", dest=tmp_path / "unlabelled", workers=1, progress=False))
-    return tmp_path / "unlabelled"
 
 
 def test_the_example_refuses_a_dataset_without_labels_in_one_line(tmp_path):
@@ -153,6 +143,6 @@ def test_the_example_refuses_a_dataset_without_labels_in_one_line(tmp_path):
     spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    data = _unlabelled(tmp_path)
+    data = unlabelled(tmp_path)
     with pytest.raises(FastioError, match=f"^{data}: a dataset without labels"):
         module.main(["--data", str(data), "--max-epochs", "1"])
