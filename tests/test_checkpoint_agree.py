@@ -29,7 +29,6 @@ from torch import nn
 from fastio.checkpoint import Checkpointer, group
 from fastio.errors import CheckpointError
 
-
 # A rank that never arrives is given up on after ABSENT_S (was 3 s: the verdict is the same at any timeout).
 ABSENT_S = 1.5
 
