@@ -1,7 +1,8 @@
-"""Several runs of ``examples/accelerate_train.py`` in one set of processes (tests/test_accelerate.py), as
-``torchrun`` would start each of them: ``LOCAL_RANK=r MASTER_ADDR=127.0.0.1 python tests/accelerate_counts.py
---plan PLAN.json`` (``plan_runs.launch`` and ``run_plan``). Between runs Accelerate's process group is destroyed
-and its process-wide state forgotten, so the next run's ``Accelerator`` reads its own number of processes."""
+"""Several runs of ``examples/accelerate_train.py`` in one set of processes, or each in processes of its own
+forked from one python (``launch(fresh=True)``; tests/test_accelerate.py), as ``torchrun`` would start each of
+them: ``LOCAL_RANK=r MASTER_ADDR=127.0.0.1 python tests/accelerate_counts.py --plan PLAN.json``
+(``plan_runs.launch`` and ``run_plan``). Between runs Accelerate's process group is destroyed and its process-wide
+state forgotten, so the next run's ``Accelerator`` reads its own number of processes."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """fastio inside Hugging Face Accelerate (``fastio[accelerate]``), on the CPU: ``register_for_checkpointing(loader)``,
 ``save_state`` mid-epoch, ``load_state`` in a new process, and the run ends with the weights of the run that was
-never interrupted, bit for bit; on one process and on two (torchrun, gloo); at another number of processes
-(2 -> 3, 3 -> 2) every sample of the epoch is trained once (those four runs in one set of 3 processes, started
-as torchrun would: ``tests/accelerate_counts.py``). Runs ``examples/accelerate_train.py``."""
+never interrupted, bit for bit; on one process and on two (gloo); at another number of processes (2 -> 3,
+3 -> 2) every sample of the epoch is trained once (the multi-process runs each in processes of their own, started
+as torchrun would, forked from one python that imported Accelerate once: ``tests/accelerate_counts.py``); the
+docs' block under torchrun itself. Runs ``examples/accelerate_train.py``."""
 
 from __future__ import annotations
 
@@ -50,21 +51,10 @@ def test_one_process_save_state_mid_epoch_then_load_state(tmp_path, image_datase
     _check(tmp_path, (1, 16))
 
 
-def test_two_processes_save_state_mid_epoch_then_load_state_in_new_processes(tmp_path, image_dataset,
-                                                                            warm_one_thread):
-    """torchrun, gloo: 2 processes x 8 a batch, 3 steps an epoch, saved after step 4. ``torchrun`` (the console
-    script) is started by the warm interpreter (one thread); it starts each run's 2 processes as ``python`` itself."""
-    from s3server import free_port
-
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    torchrun = Path(sys.executable).with_name("torchrun")
-    launch = ["--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(EXAMPLE),
-              "--data", str(image_dataset), "--epochs", "2"]
-    for args in (["--save-at", "4", "--state-dir", "state", "--save-weights", "full.pt"],
-                 ["--resume", "state", "--save-weights", "resumed.pt"]):
-        rc, out, err = warm_one_thread.run(torchrun, tmp_path, *launch, *args, env=env)
-        assert rc == 0, out[-3000:] + err[-3000:]
-    _check(tmp_path, (1, 16))
+def test_two_processes_save_state_mid_epoch_then_load_state_in_new_processes(example_runs):
+    """2 processes x 8 a batch (gloo), 3 steps an epoch, saved after step 4; the state loaded by 2 new processes
+    (``example_runs``' first two runs, each in processes of its own, started as torchrun would)."""
+    _check(example_runs / "bitwise", (1, 16))
 
 
 SLOW_MAIN_SAVE = """
@@ -94,6 +84,7 @@ def test_the_docs_accelerate_snippet_runs_under_torchrun_on_two_processes(tmp_pa
 
     from s3server import free_port
 
+    from fastio.cli import main as cli
     from fastio.convert.synthetic import make_imagefolder
 
     page = (REPO / "docs" / "trainers.md").read_text()
@@ -101,8 +92,8 @@ def test_the_docs_accelerate_snippet_runs_under_torchrun_on_two_processes(tmp_pa
     (tmp_path / "snippet.py").write_text(block)
     # 81 to train: 3 steps of 2 x 16, so the save is at the epoch's last step and no gradient sync follows it
     make_imagefolder(tmp_path / "images", classes=3, per_class=30, seed=0)
-    subprocess.run([sys.executable, "-m", "fastio.cli", "convert", "images", "ds", "--split", "train=0.9,val=0.1",
-                    "--quiet"], cwd=tmp_path, check=True)
+    assert cli(["convert", str(tmp_path / "images"), str(tmp_path / "ds"), "--split", "train=0.9,val=0.1",
+                "--quiet"]) == 0  # in this process: a python of its own imported torch for it (seconds of CPU)
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_MAIN_SAVE)
     path = os.pathsep.join(p for p in (str(tmp_path / "site"), os.environ.get("PYTHONPATH")) if p)
@@ -117,10 +108,19 @@ def test_the_docs_accelerate_snippet_runs_under_torchrun_on_two_processes(tmp_pa
 
 
 @pytest.fixture(scope="module")
-def counted_runs(tmp_path_factory) -> Path:
-    """The runs of both world-size changes, in one set of 3 processes (``tests/accelerate_counts.py``; in the
-    order the resumes need): the directory of each change's ``2-3`` and ``3-2`` runs (logs and states)."""
-    base = tmp_path_factory.mktemp("accelerate-counts")
+def example_runs(tmp_path_factory, _image_originals) -> Path:
+    """``examples/accelerate_train.py``'s multi-process runs, each in new processes forked from one python that
+    imported Accelerate once (``tests/accelerate_counts.py``, ``launch(fresh=True)``; in the order the resumes
+    need): in ``bitwise``, a 2-process run that saves mid-epoch (``full.pt``, ``state``) and its resume on 2
+    (``resumed.pt``); the runs of both world-size changes, in the directory of each change (``2-3``, ``3-2``: logs
+    and states)."""
+    base = tmp_path_factory.mktemp("accelerate-runs")
+    where = base / "bitwise"
+    where.mkdir()
+    common = ["--data", str(_image_originals[1]), "--epochs", "2"]
+    bitwise = [(2, [*common, "--save-at", "4", "--state-dir", str(where / "state"), "--save-weights",
+                    str(where / "full.pt")]),
+               (2, [*common, "--resume", str(where / "state"), "--save-weights", str(where / "resumed.pt")])]
     data = dataset80(base)
     runs = {}
     for before in (2, 3):
@@ -131,17 +131,17 @@ def counted_runs(tmp_path_factory) -> Path:
                          "--log-indices", str(where / "first")],
                         [*common, "--epochs", "2", "--resume", str(where / "state"), "--log-indices",
                          str(where / "second")]]
-    launch(COUNTS, base, [(2, runs[2][0]), (3, runs[3][0]), (3, runs[2][1]), (2, runs[3][1])])
+    launch(COUNTS, base, [*bitwise, (2, runs[2][0]), (3, runs[3][0]), (3, runs[2][1]), (2, runs[3][1])], fresh=True)
     return base
 
 
 @pytest.mark.parametrize("before, after", [(2, 3), (3, 2)])
-def test_a_mid_epoch_state_loaded_by_another_number_of_processes_trains_each_sample_once(counted_runs, before,
+def test_a_mid_epoch_state_loaded_by_another_number_of_processes_trains_each_sample_once(example_runs, before,
                                                                                         after):
     """80 samples, 4 a batch: 2 processes save after step 6 (48 samples), 3 processes load the state and train
     the 32 left in 3 steps of 12 (and 3 -> 2: saved after step 4, the 32 left in 4 steps of 8). The runs are
-    ``counted_runs``'s."""
-    where, step = counted_runs / f"{before}-{after}", {2: 6, 3: 4}[before]
+    ``example_runs``'."""
+    where, step = example_runs / f"{before}-{after}", {2: 6, 3: 4}[before]
     first, second = read_logs(where, "first"), read_logs(where, "second")
     assert (len(first), len(second)) == (before, after)
     counts = per_epoch([batches[:step] for batches in first], second)

@@ -439,26 +439,83 @@ def _accelerate_run(rank: int, world: int, data: dict[str, str], out: str, run: 
     accelerator.end_training()
 
 
+def _accelerate_sets(_: int, world: int, data: dict[str, str], out: str, sets: list[list[dict]],
+                     timeout: float) -> None:
+    """The process the Accelerate test starts: Accelerate imported once (~2 s of CPU a process: it was imported
+    once a rank), then each set of runs in ``world`` new processes forked from it (``_accelerate_runs``), one set
+    after the other, each set's ranks waited for to their end (a rank its run SIGKILLs leaves the other to end by
+    itself); their exit codes, a list a set, to ``OUT/sets.rc``. Ranks still running ``timeout`` seconds from the
+    start are killed (their code: -9)."""
+    import json
+    import os
+    import signal
+
+    import accelerate  # noqa: F401
+    from warm_python import ready_to_fork
+
+    ready_to_fork()
+    deadline, codes = time.monotonic() + timeout, []
+    for runs in sets:
+        pids = [_forked(_accelerate_runs, rank, world, data, out, runs) for rank in range(world)]
+        ended: dict[int, int] = {}
+        while len(ended) < len(pids):
+            for pid in set(pids) - set(ended):
+                if time.monotonic() > deadline:
+                    os.kill(pid, signal.SIGKILL)
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    ended[pid] = os.waitstatus_to_exitcode(status)
+            time.sleep(0.05)
+        codes.append([ended[pid] for pid in pids])
+    Path(out, "sets.rc").write_text(json.dumps(codes))
+
+
+def _forked(fn, *args) -> int:
+    """A child of this process running ``fn(*args)``, exiting 0, or 1 with the traceback printed; its pid."""
+    import os
+    import sys
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn(*args)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
 def test_accelerate_video_and_audio_loaders_killed_after_save_state_resume_exactly(video_ds, audio_ds, tmp_path):
     """2 ranks (gloo), 2 a batch: the video loader (9 samples: 3 steps an epoch) and the audio loader (8: 2 steps)
     saved with ``save_state`` after step 5 (both mid-epoch 1), the ranks SIGKILLed after step 6; new ranks
     ``load_state`` and train to step 8: the steps after 5 get the same clips (hash of each) as the run never
-    interrupted, and the run ends with its weights bit for bit."""
+    interrupted, and the run ends with its weights bit for bit. The ranks of both sets are forked from one process
+    that imported Accelerate (``_accelerate_sets``)."""
     pytest.importorskip("accelerate")
-    from helpers import spawn_ranks
+    import json
 
     data = {"video": str(video_ds), "audio": str(audio_ds)}
     runs = [{"name": "whole", "steps": 8, "port": free_port()},  # then, in the same processes:
             {"name": "killed", "steps": 8, "save_at": 5, "kill_at": 6, "port": free_port()}]
-    spawn_ranks(_accelerate_runs, lambda r: (r, 2, data, str(tmp_path), runs), 2, timeout=180)
+    resumed = {"name": "resumed", "steps": 8, "resume": str(tmp_path / "state"), "resume_step": 5,
+               "port": free_port()}  # in new processes
+    start_ranks(_accelerate_sets, (2, data, str(tmp_path), [runs, [resumed]], 180), 1)
+    codes = json.loads((tmp_path / "sets.rc").read_text())
+    assert codes[0] == [-9, -9], codes  # killed by their run (not hung, not failed)
     assert sorted(p.name for p in tmp_path.glob("whole.*")) == ["whole.rank0.pt", "whole.rank1.pt",
                                                                 "whole.weights.pt"]
     assert sorted(p.name for p in tmp_path.glob("killed*")) == ["killed.rank0", "killed.rank1"]
     saved = [torch.load(tmp_path / "state" / f"custom_checkpoint_{k}.pkl", weights_only=False) for k in (0, 1)]
     assert [(s["epoch"], s["consumed"]) for s in saved] == [(1, 8), (2, 4)]  # mid-epoch, both
-    resumed = {"name": "resumed", "steps": 8, "resume": str(tmp_path / "state"), "resume_step": 5,
-               "port": free_port()}
-    start_ranks(_accelerate_runs, (2, data, str(tmp_path), [resumed]), 2)
+    assert codes[1] == [0, 0], codes
     for rank in range(2):
         whole, again = (torch.load(tmp_path / f"{n}.rank{rank}.pt") for n in ("whole", "resumed"))
         assert len(again) == 3 and again == whole[5:], rank

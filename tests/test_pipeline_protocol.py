@@ -5,7 +5,10 @@ bare error, nor a batch silently missing what the kind gave (found writing kinds
 from __future__ import annotations
 
 import dataclasses
+import re
+import signal
 from dataclasses import dataclass
+from pathlib import Path
 from typing import ClassVar
 
 import numpy as np
@@ -355,13 +358,37 @@ class NoProblem(Gain):
         return dataclasses.replace(super().graph(), problem=None)
 
 
-def test_a_graph_without_a_problem_hook_still_names_the_batch_dali_failed_on(image_folder, tmp_path):
+_NO_PROBLEM = f"""
+import sys
+
+sys.path.insert(0, {str(Path(__file__).parent)!r})
+import fastio
+from test_pipeline_protocol import NoProblem, first_batch
+
+try:
+    first_batch(sys.argv[1], NoProblem(), batch_size=48)
+    print("no error")
+except fastio.DatasetError as err:
+    print(f"DatasetError: {{err}}")
+"""
+
+
+def test_a_graph_without_a_problem_hook_still_names_the_batch_dali_failed_on(image_folder, tmp_path, warm):
     """With ``problem=None`` a failing batch raised TypeError("'NoneType' object is not callable") from the Loader's
-    decode-error path, hiding what DALI said."""
+    decode-error path, hiding what DALI said. In a process of its own (``warm``): DALI itself segfaults on this
+    error path about once in five runs on a loaded machine (in ``schedule_run``'s prefetch, or in the failed
+    pipeline's ``__del__``), which took the xdist worker down and hung the run; a run that DALI crashed (SIGSEGV)
+    is run again, at most three times in all."""
     next(image_folder.rglob("*.jpg")).write_bytes(b"not an image at all")
     dest = write_image_dataset(tmp_path / "bad", image_folder)
-    with pytest.raises(fastio.DatasetError, match=r"DALI failed on a batch with keys .*: fn\.decoders\.image"):
-        first_batch(dest, NoProblem(), batch_size=48)
+    script = tmp_path / "no_problem.py"
+    script.write_text(_NO_PROBLEM)
+    for _ in range(3):
+        rc, out, err = warm.run(script, tmp_path, str(dest), timeout=300)
+        if rc != -signal.SIGSEGV:
+            break
+    assert rc == 0, (rc, out, err[-3000:])
+    assert re.search(r"^DatasetError: .*DALI failed on a batch with keys .*: fn\.decoders\.image", out, re.M), out
 
 
 @dataclass(frozen=True)
