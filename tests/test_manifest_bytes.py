@@ -4,7 +4,8 @@ image-text convert, against ``fixtures/manifest_bytes.json`` (recorded before th
 ``fixtures/make_manifest_fixtures.py``; the image-text case recorded since, the other cases' bytes unchanged but the
 tokenizer file's sha256 that token and image-text conversions record since: ``tokens.tokenizer_sha256``,
 ``image_text.tokenizer_sha256``; the image-text samples' token counts, ``image_text.total_tokens`` and
-``trained_tokens``; and an index in place's ``source.idx_kept``, the ``.idx`` files it found and did not write)."""
+``trained_tokens``; an index in place's ``source.idx_kept``, the ``.idx`` files it found and did not write; and the
+special tokens an image-text template renders, ``image_text.template_variables``, which a merge of parts compares)."""
 
 from __future__ import annotations
 
