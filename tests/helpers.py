@@ -237,32 +237,36 @@ def _rank_as_started_here(rank: int, env: dict[str, str], cwd: str, fn: Callable
     as_started_here(env, cwd, fn, rank, *args)
 
 
+def forked(fn: Callable, *args) -> int:
+    """A child of this process running ``fn(*args)`` that exits 0, or 1 with the traceback printed; its pid."""
+    import traceback
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 0
+        try:
+            fn(*args)
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    return pid
+
+
 def fork_ranks(fn: Callable, args: tuple, nprocs: int) -> None:
     """In a process of ``start_ranks`` that imported what every rank imports (Lightning: ~2 s of CPU a process), the
     ranks forked from it: ``fn(rank, *args)`` in each, joined; a rank that fails prints its traceback, the others
     are killed then, and this raises naming it (``start_ranks`` then raises here)."""
-    import traceback
 
     from warm_python import ready_to_fork, wait_forked
 
     ready_to_fork()
-    pids = []
-    for rank in range(nprocs):
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                fn(rank, *args)
-            except BaseException:
-                traceback.print_exc()
-                code = 1
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(code)
-        pids.append(pid)
+    pids = [forked(fn, rank, *args) for rank in range(nprocs)]
     failed = {rank: code for rank, code in enumerate(wait_forked(pids)) if code != 0}
     assert not failed, f"ranks failed (rank: exit code): {failed}"
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from helpers import fork_ranks, free_port, join_group, start_ranks
+from helpers import fork_ranks, forked, free_port, join_group, start_ranks
 from resume import batches, same_batch
 
 pytest.importorskip("av")
@@ -456,7 +456,7 @@ def _accelerate_sets(_: int, world: int, data: dict[str, str], out: str, sets: l
     ready_to_fork()
     deadline, codes = time.monotonic() + timeout, []
     for runs in sets:
-        pids = [_forked(_accelerate_runs, rank, world, data, out, runs) for rank in range(world)]
+        pids = [forked(_accelerate_runs, rank, world, data, out, runs) for rank in range(world)]
         ended: dict[int, int] = {}
         while len(ended) < len(pids):
             for pid in set(pids) - set(ended):
@@ -468,29 +468,6 @@ def _accelerate_sets(_: int, world: int, data: dict[str, str], out: str, sets: l
             time.sleep(0.05)
         codes.append([ended[pid] for pid in pids])
     Path(out, "sets.rc").write_text(json.dumps(codes))
-
-
-def _forked(fn, *args) -> int:
-    """A child of this process running ``fn(*args)``, exiting 0, or 1 with the traceback printed; its pid."""
-    import os
-    import sys
-    import traceback
-
-    sys.stdout.flush()
-    sys.stderr.flush()
-    pid = os.fork()
-    if pid == 0:
-        code = 0
-        try:
-            fn(*args)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    return pid
 
 
 def test_accelerate_video_and_audio_loaders_killed_after_save_state_resume_exactly(video_ds, audio_ds, tmp_path):
