@@ -6,20 +6,10 @@ state forgotten, so the next run's ``Accelerator`` reads its own number of proce
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 from accelerate.state import AcceleratorState, GradientState
-
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "accelerate_train.py"
-
-
-def _example_main():
-    spec = importlib.util.spec_from_file_location("accelerate_train", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+from example_scripts import load_example
 
 
 def _forget() -> None:
@@ -32,7 +22,8 @@ def _forget() -> None:
     GradientState._reset_state()
 
 
-EXAMPLE_MAIN = _example_main()  # its imports (Accelerate, torch, fastio) at this module's: plan_runs does them once
+# its imports (Accelerate, torch, fastio) at this module's: plan_runs does them once
+EXAMPLE_MAIN = load_example("accelerate_train").main
 
 if __name__ == "__main__":
     from plan_runs import run_plan

@@ -72,7 +72,7 @@ SLOW_FILES = (  # seconds of each, summed over its tests (setup included) in one
     "test_media_formats.py",  # 6
     "test_working_set.py",  # 6
     "test_storage.py",  # 6
-    "test_hostile_sources.py",  # 5
+    "test_convert_bad_sources.py",  # 5
     "test_checkpoint_ranks.py",  # 5
     "test_training_example_flags.py",  # 5
     "test_checkpoint_dist.py",  # 5

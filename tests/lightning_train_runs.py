@@ -6,23 +6,13 @@ process."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import torch.distributed
+from example_scripts import load_example
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "lightning_train.py"
-
-
-def _example_main():
-    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
-
-
-EXAMPLE_MAIN = _example_main()  # its imports (Lightning, torch, fastio) at this module's: plan_runs does them once
+# its imports (Lightning, torch, fastio) at this module's: plan_runs does them once
+EXAMPLE_MAIN = load_example("lightning_train").main
 
 if __name__ == "__main__":
     from plan_runs import run_plan

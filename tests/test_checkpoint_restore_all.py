@@ -7,7 +7,6 @@ was; under Lightning the refusal names a Lightning way (a checkpoint saved at an
 from __future__ import annotations
 
 from itertools import islice
-from pathlib import Path
 
 import pytest
 import torch
@@ -88,17 +87,14 @@ def test_lightning_mixture_weights_changed_mid_epoch_names_a_lightning_way(tmp_p
                                                                          one_thread):
     """Resuming a mid-epoch Lightning checkpoint with other mixture weights is refused with a hint Lightning can
     follow (a checkpoint saved at an epoch's end), and resuming from such a checkpoint with the new weights works."""
-    import importlib.util
+    from example_scripts import load_example
 
     pl = pytest.importorskip("lightning.pytorch")
     from fastio import Mixture
     from fastio.errors import LoaderStateError
     from fastio.integrations.lightning import FastioDataModule
 
-    spec = importlib.util.spec_from_file_location("lightning_train", Path(__file__).parent.parent / "examples" /
-                                                  "lightning_train.py")
-    example = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(example)
+    example = load_example("lightning_train")
 
     resharded = write_image_dataset(tmp_path / "ds8", image_folder, max_samples=8)  # one dataset twice is refused
 

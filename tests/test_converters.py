@@ -258,7 +258,7 @@ def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
     """A path naming a folder or a FIFO was called `a missing file`, and so was `café.jpg` typed in a table (NFC) for
     the file a Mac wrote (NFD: the same letters on screen), and `ok.jpg ` (a blank after it in a hand-written CSV)
     where `ok.jpg` is there, the blank unseen in the message. Each now says what is there, in the reason of the
-    rejected row (skipped and listed, or the run stopped with on_error="fail": test_hostile_sources.py)."""
+    rejected row (skipped and listed, or the run stopped with on_error="fail": test_convert_bad_sources.py)."""
     import unicodedata
 
     (tmp_path / "sub").mkdir()

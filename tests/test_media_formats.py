@@ -1030,7 +1030,7 @@ def test_usual_log_mel_settings_are_accepted():
 
 def test_a_table_naming_a_missing_video_stops_in_one_line(tmp_path, capsys):
     """With --on-error fail; with --on-error skip (the default) the row is skipped and listed
-    (test_hostile_sources.py)."""
+    (test_convert_bad_sources.py)."""
     from helpers import run_cli
 
     make_video(tmp_path / "files" / "a.webm", "libvpx-vp9", "webm", frames=6)

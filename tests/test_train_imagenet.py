@@ -5,9 +5,9 @@ their accuracies agree within noise: fastio delivers the right images with the r
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+from example_scripts import load_example
 from helpers import run_cli
 
 from fastio.convert.synthetic import make_imagefolder
@@ -16,10 +16,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def _recipe():
-    spec = importlib.util.spec_from_file_location("train_imagenet", REPO / "examples" / "train_imagenet.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_example("train_imagenet")
 
 
 def test_fastio_and_torchvision_backends_learn_alike(tmp_path, capsys, one_thread):

@@ -1,9 +1,10 @@
-"""Found by the integrations review. What a Lightning user does without the DataModule: a validation Loader given
-to ``trainer.fit(model, train, val)`` as it is continues where the last validation run stopped (after
-Lightning's 2-batch sanity check the first validation saw 32 of 48 samples); ``LightningLoader(val,
-whole_epochs=True)``, as docs/trainers.md says, validates the whole set on every run. And a run stopped by
-``max_steps`` mid-epoch, resumed with a larger ``max_steps`` from the checkpoint ``ModelCheckpoint`` saved as it
-stopped (tests/lightning_counts.py in this process, one device)."""
+"""Loaders given to Lightning without the DataModule, and epochs a stop cuts short: a validation Loader given to
+``trainer.fit(model, train, val)`` as it is continues where the last validation run stopped (after Lightning's
+2-batch sanity check the first validation saw 32 of 48 samples); ``LightningLoader(val, whole_epochs=True)``, as
+docs/trainers.md says, validates the whole set on every run. A plain training Loader goes on with its epoch after
+``limit_train_batches`` ended Lightning's. And a run stopped by ``max_steps`` mid-epoch, resumed with a larger
+``max_steps`` from the checkpoint ``ModelCheckpoint`` saved as it stopped (tests/lightning_counts.py in this process,
+one device), trains the rest of that epoch."""
 
 from __future__ import annotations
 
@@ -11,21 +12,18 @@ import importlib.util
 from pathlib import Path
 
 import pytest
-from helpers import unlabelled
+from example_scripts import load_example
 
 from fastio import ImageEval, ImageTrain, Loader
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("lightning") is None, reason="needs fastio[lightning]")
 
 REPO = Path(__file__).resolve().parent.parent
-EXAMPLE = REPO / "examples" / "lightning_train.py"
 OPTIONS = dict(batch_size=8, device="cpu", num_threads=1, reader_threads=1)
 
 
 def _classifier():
-    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_example("lightning_train")
 
     class Recording(module.Classifier):
         def on_validation_epoch_start(self):
@@ -93,25 +91,6 @@ def test_a_run_stopped_by_max_steps_mid_epoch_resumes_the_rest_of_that_epoch(tmp
     assert_exactly_once(counts[1], "epoch 1, after the resume")
 
 
-def test_the_example_writes_weights_into_a_folder_not_made_yet_and_refuses_a_folder(tmp_path, image_dataset, capsys,
-                                                                                     one_thread):
-    """Found by the integrations review: ``--save-weights out/w.pt`` with no ``out/`` ended the run, after all its
-    epochs, in a FileNotFoundError traceback from torch.save, the weights lost; ``--save-weights out`` (a folder) in an
-    IsADirectoryError there. The folders are made now, and a folder is refused before the run, in one line."""
-    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with pytest.raises(SystemExit) as stop:
-        module.main(["--data", str(image_dataset), "--save-weights", str(tmp_path)])
-    assert stop.value.code == 2 and f"--save-weights {tmp_path}: a folder" in capsys.readouterr().err
-    weights = tmp_path / "out" / "run1" / "w.pt"
-    module.main(["--data", str(image_dataset), "--max-epochs", "1", "--save-weights", str(weights)])
-    import torch
-
-    assert set(torch.load(weights, weights_only=True)) >= {"net.0.weight", "net.0.bias"}
-    assert sorted(p.name for p in weights.parent.iterdir()) == ["w.pt"]
-
-
 def test_a_plain_training_loader_goes_on_with_its_epoch_after_one_lightning_ended_early(tmp_path, image_dataset,
                                                                                        one_thread):
     """docs/trainers.md said a plain Loader given to trainer.fit takes one Loader epoch per Lightning epoch; with
@@ -130,19 +109,3 @@ def test_a_plain_training_loader_goes_on_with_its_epoch_after_one_lightning_ende
     text = " ".join((REPO / "docs" / "trainers.md").read_text().split())
     assert "after an epoch that `limit_train_batches` ends early, Lightning's next epoch goes on with the rest of " \
            "the Loader's" in text
-
-
-
-
-def test_the_example_refuses_a_dataset_without_labels_in_one_line(tmp_path):
-    """Found by the integrations review: a flat image folder converted (no class folders: no labels) ended the
-    example in torch's TypeError traceback (nn.Linear(32, None)); now a FastioError naming the dataset, which the
-    script prints in one line (exit 2)."""
-    from fastio import FastioError
-
-    spec = importlib.util.spec_from_file_location("lightning_train", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    data = unlabelled(tmp_path)
-    with pytest.raises(FastioError, match=f"^{data}: a dataset without labels"):
-        module.main(["--data", str(data), "--max-epochs", "1"])

@@ -1,25 +1,18 @@
-"""Found by the integrations review: ``examples/accelerate_train.py --resume DIR`` of a folder that holds no state
-``--save-at`` wrote (an empty folder, a dataset given by mistake, a save cut short) ended in a FileNotFoundError
-traceback from torch.load inside ``accelerator.load_state``; now a usage error naming the folder, exit 2."""
+"""What ``examples/accelerate_train.py`` does with inputs a user gets wrong: ``--resume`` of a folder without a saved
+state (or one cut short), ``--save-weights`` into a folder not made yet or naming a folder, and a dataset without
+labels: one line and exit 2 (or the folders made), never a traceback after the run."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
+from example_scripts import load_example
 from helpers import unlabelled
 
 pytest.importorskip("accelerate")
 
-EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "accelerate_train.py"
-
 
 def _main():
-    spec = importlib.util.spec_from_file_location("accelerate_train", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main
+    return load_example("accelerate_train").main
 
 
 def test_resume_from_a_folder_without_a_saved_state_is_one_line(tmp_path, image_dataset, capsys):
@@ -51,7 +44,7 @@ def test_resume_from_a_state_cut_short_is_one_line(tmp_path, image_dataset, caps
 
 def test_the_example_writes_weights_into_a_folder_not_made_yet_and_refuses_a_folder(tmp_path, image_dataset, capsys,
                                                                                      monkeypatch, one_thread):
-    """Found by the integrations review: ``--save-weights out/w.pt`` with no ``out/`` ended the run, after all its
+    """``--save-weights out/w.pt`` with no ``out/`` ended the run, after all its
     epochs, in a FileNotFoundError traceback from torch.save, the weights lost; a folder, in an IsADirectoryError
     there. The folders are made now, and a folder is refused before the run, in one line."""
     import torch
@@ -70,7 +63,7 @@ def test_the_example_writes_weights_into_a_folder_not_made_yet_and_refuses_a_fol
 
 
 def test_the_example_refuses_a_dataset_without_labels_in_one_line(tmp_path, monkeypatch):
-    """Found by the integrations review: a flat image folder converted (no labels) ended the example in torch's
+    """a flat image folder converted (no labels) ended the example in torch's
     TypeError traceback (nn.Linear(32, None)); now a FastioError naming the dataset (one line, exit 2)."""
     from fastio import FastioError
 
