@@ -21,13 +21,14 @@ say ``is_location``, unique names or totals, and would be a second home for the 
 from __future__ import annotations
 
 import dataclasses
+import operator
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
-__all__ = ["Check", "check_fields", "checked", "config_error", "count", "is_type", "one_of", "positive_integer",
-           "read_checked", "rule", "switch_option", "two_differing"]
+__all__ = ["Check", "check_fields", "checked", "config_error", "count", "integer", "is_type", "one_of",
+           "positive_integer", "read_checked", "rule", "switch_option", "two_differing"]
 
 Check = Callable[[Any], "str | None"]
 """What is wrong with a value (``"is not an integer"``), None when nothing is."""
@@ -69,6 +70,18 @@ def read_checked(cls: type, data: Mapping[str, Any], complain: Callable[[str, An
 
 def _required(f: dataclasses.Field) -> bool:
     return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+
+
+def integer(value: Any) -> int | None:
+    """``value`` as an int where it is an integer: a Python, NumPy or 0-d torch one (what a checkpoint's round trip
+    may make of one); None for anything else, a bool, a float or a numeric string among them (``int()`` would
+    truncate 1.5 or parse "3")."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
 
 
 def count(value: Any) -> str | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
-import operator
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from fastio.checks import integer
 from fastio.dataset.dataset import Dataset
 from fastio.dist import alone_on_node, initialized_rank_and_world, rank_and_world, usable_cpus
 from fastio.errors import (
@@ -73,12 +73,10 @@ _STR_KEYS = (K_FINGERPRINT, K_SHUFFLE)
 
 def _as_int(key: str, value: Any) -> int:
     """A state integer, also when a checkpoint round trip made it a numpy or 0-d torch integer."""
-    try:
-        if isinstance(value, bool):  # a hand-edited "consumed": true is not 1 sample
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise LoaderStateError(f"loader state has {key}={value!r}, not an integer") from None
+    number = integer(value)  # a hand-edited "consumed": true is not 1 sample
+    if number is None:
+        raise LoaderStateError(f"loader state has {key}={value!r}, not an integer")
+    return number
 
 
 # Arguments of torch's DataLoader (and similar loaders) that fastio does not take, with what to use instead.

@@ -29,7 +29,6 @@ from __future__ import annotations
 import json
 import logging
 import numbers
-import operator
 import shutil
 import threading
 import time
@@ -62,6 +61,7 @@ from fastio.checkpoint.restore import (
 from fastio.checkpoint.rng import capture_rng
 from fastio.checkpoint.staging import Stager
 from fastio.checkpoint.writer import start_writer
+from fastio.checks import integer
 from fastio.dist import rank_and_world
 from fastio.errors import CheckpointError, FastioError
 from fastio.storage.lock import DirLock, LockedError
@@ -98,11 +98,8 @@ def _check_restore_options(app: dict[str, Any], loader_policy: str, cast_dtypes:
 def _whole_number(name: str, value: Any) -> int:
     """``value`` as an int >= 0 (a NumPy integer too; not a bool, a float or a string); ValueError naming ``name``. A
     save's step taken otherwise would commit ``step--1``, ``step-1.5`` or ``step-True``, which no restore lists."""
-    try:
-        number = operator.index(value) if not isinstance(value, bool) else -1
-    except TypeError:
-        number = -1
-    if number < 0:
+    number = integer(value)
+    if number is None or number < 0:
         raise ValueError(f"{name} must be an int >= 0, got {value!r}")
     return int(number)
 

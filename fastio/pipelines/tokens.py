@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
+from fastio.checks import integer
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.pipelines.base import K_TOKENS, PACKED_UNIT, Delivery, Pipeline, Placement, Source, same_entry
 from fastio.pipelines.image import refuse_image_text
@@ -138,7 +139,7 @@ def check_entry(state: dict[str, Any], entry: str, mine: dict[str, Any], what: s
                                f"fastio.{name} (a damaged state)")
     saved = {K_PACKING_VERSION: PACKING_VERSION, **saved}  # saved before the field: today's packing (PACKING_VERSION)
     version = saved[K_PACKING_VERSION]
-    if isinstance(version, (bool, str, bytes)) or not hasattr(version, "__index__"):
+    if integer(version) is None:
         raise LoaderStateError(f"loader state's {entry} entry has packing_version={version!r:.80}, not an integer (a "
                                "damaged or hand-edited state)")
     if not same_entry(saved[K_PACKING_VERSION], PACKING_VERSION) and state.get("consumed") != 0:

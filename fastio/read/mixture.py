@@ -15,7 +15,6 @@ import json
 import logging
 import math
 import numbers
-import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from pathlib import Path
@@ -23,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fastio.checks import switch_option, two_differing
+from fastio.checks import integer, switch_option, two_differing
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError, MixtureError
 from fastio.formats.image_text import is_image_text
@@ -298,11 +297,8 @@ def _check_entry(mixture: Mixture, saved: dict) -> int:
     if len(saved["fingerprints"]) != len(saved["names"]):
         raise refuse("fingerprints", f"one per source of names={list(saved['names'])!r}")
     value = saved["samples_per_epoch"]
-    try:
-        samples = operator.index(value) if not isinstance(value, bool) else 0
-    except TypeError:
-        samples = 0
-    if samples < 1:
+    samples = integer(value)
+    if samples is None or samples < 1:
         raise refuse("samples_per_epoch", "a positive integer")
     return samples
 
@@ -338,7 +334,7 @@ def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float,
     phases = []
     for i, (pos, shares) in enumerate(raw):  # each value as it is: int() truncated 36.9, float() parsed "0.5"
         where = f"entry {i}: " if key == "schedule" else ""
-        at = _state_integer(pos)
+        at = integer(pos)
         if at is None:
             raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}: {where}"
                                    f"position {pos!r} is not an integer")
@@ -358,17 +354,6 @@ def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float,
             raise LoaderStateError(f"{mixture.root}: loader state's mixture entry has {key}={saved[key]!r}, not "
                                    f"positive weights: {bad!r} (at position {pos})")
     return phases
-
-
-def _state_integer(value: Any) -> int | None:
-    """A saved schedule's position as an int: an integer (a numpy or 0-d torch one too: a checkpoint round trip),
-    else None (a float, a numeric string, a bool)."""
-    if isinstance(value, (bool, str, bytes)):
-        return None
-    try:
-        return operator.index(value)
-    except TypeError:
-        return None
 
 
 def _state_real(value: Any) -> float | None:

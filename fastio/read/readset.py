@@ -14,7 +14,6 @@ under its own name.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -22,6 +21,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from fastio.checks import integer
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError
 from fastio.order.sampler import Sampler, SamplerSpec
@@ -463,9 +463,7 @@ def coming(plans: Callable[[int, int], Any], epoch: int, consumed: int) -> Calla
 def _whole(value: Any, what: str, alternative: str = "") -> int:
     """``value`` (a numpy integer or 0-d torch one too) as an int for :meth:`fastio.Loader.key`, else TypeError
     naming it: ``int()`` would truncate 1.5 to another sample's key."""
-    try:
-        if isinstance(value, bool):
-            raise TypeError
-        return operator.index(value)
-    except TypeError:
-        raise TypeError(f"key: {what} {value!r} is not an integer{alternative}") from None
+    number = integer(value)
+    if number is None:
+        raise TypeError(f"key: {what} {value!r} is not an integer{alternative}")
+    return number
