@@ -102,6 +102,45 @@ def test_not_an_image_at_all(tmp_path, image_folder):
         list(_loader(dest, batch_size=4))
 
 
+_UNREADABLE_IN_A_BIG_BATCH = """
+import sys
+
+import fastio
+from fastio import ImageEval, ImageTrain
+
+for seed in range(int(sys.argv[2])):
+    pipeline = (ImageTrain(size=32), ImageEval(size=32))[seed % 2]
+    with fastio.Loader(sys.argv[1], batch_size=48, pipeline=pipeline, device="cpu", world_size=1, rank=0,
+                       num_threads=1, seed=seed) as loader:
+        try:
+            next(iter(loader))
+        except fastio.DatasetError as err:
+            print(err)
+"""
+
+
+def test_an_unreadable_image_in_a_batch_of_48_is_named_not_a_segfault(tmp_path, image_folder, warm):
+    """DALI 2.4's image decoder reads the headers of a batch of 32 images or more in two threads; where the
+    unreadable one fell to the calling thread, the other thread read on through the decoder's unwound stack and
+    the process died (SIGSEGV in ``ImageDecoder::RunImplImpl``) about once in ten such batches, seen as a flaky
+    test (found looping tests/test_pipeline_protocol.py's case under load): a training job would die where it
+    should get the DatasetError naming the shard and key. Each seed puts the image elsewhere in the batch; in a
+    process of its own (``warm``), so that a segfault fails this test only."""
+    images = sorted(image_folder.rglob("*.jpg"))
+    with ShardWriter(tmp_path / "bad", max_samples=16) as writer:
+        for k, path in enumerate(images):
+            writer.write({"__key__": f"img{k:02d}", "jpg": b"\xff\xd8\xff" + b"garbage" * 8 if k == 29 else
+                          path.read_bytes(), "cls": b"0"})
+        writer.close(image_field="jpg", label_field="cls")
+    script = tmp_path / "big_batch.py"
+    script.write_text(_UNREADABLE_IN_A_BIG_BATCH)
+    rc, out, err = warm.run(script, tmp_path, str(tmp_path / "bad"), "12", timeout=300)
+    assert rc == 0, (rc, out, err[-3000:])
+    lines = out.splitlines()
+    assert len(lines) == 12 and all(re.search(r"shard shard-000001\.tar key 'img29': field 'jpg' failed to decode",
+                                              line) for line in lines), out
+
+
 def test_state_mismatches(image_dataset, tmp_path, image_folder):
     loader = _loader(image_dataset)
     state = loader.state_dict()

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     from fastio.read.reader import ReadBatch
 
 __all__ = ["DTYPES", "IMAGENET_MEAN", "IMAGENET_STD", "MAX_SIDE", "ImageEval", "ImageKind", "ImageTrain",
-           "check_mean_std", "check_side", "decodable", "finite_number", "image_problem", "image_read_fields"]
+           "check_mean_std", "check_side", "decodable", "finite_number", "headers_read", "image_problem",
+           "image_read_fields"]
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -157,6 +158,23 @@ def image_problem(batch: ReadBatch, j: int) -> str | None:
     return None
 
 
+def headers_read(encoded: Any) -> Any:
+    """``encoded`` (a DALI node of encoded images) passed on to a decoder only once DALI's image parser
+    (``fn.peek_image_shape``) has read every image's header, so that an image whose header no parser reads fails
+    the batch there, never in the decoder. DALI 2.4's image decoders (``fn.decoders.image``, ``image_slice``; CPU
+    and ``mixed``) read the headers of a batch of 32 images or more in two threads or more; where the calling
+    thread's image is unreadable, its exception leaves the decoder while the others still read through the
+    decoder's unwound stack: the process died (SIGSEGV, in ``ImageDecoder::RunImplImpl``'s ``setup_block``) on
+    about one such batch in ten, instead of raising the DatasetError naming the image. ``fn.peek_image_shape``
+    waits for all its threads before it raises. No bytes are copied: ``fn.reshape`` passes them on as they are,
+    its ``shape`` (each image's own, plus 0 times its peeked sizes) is what makes the decoder wait for the peek;
+    the cost is a second read of each header (microseconds, in DALI's threads)."""
+    from nvidia.dali import fn, types
+
+    peeked = fn.peek_image_shape(encoded)
+    return fn.reshape(encoded, shape=encoded.shape(dtype=types.INT64) + fn.reductions.sum(peeked) * 0)
+
+
 def decodable(data: np.ndarray) -> np.ndarray:
     """Encoded image bytes DALI's decoders take (they decode by content: JPEG, PNG, WebP, BMP, TIFF, PNM,
     JPEG 2000). GIF, which they lack, becomes a BMP of its first frame in RGB: lossless, no compression
@@ -177,8 +195,8 @@ def decodable(data: np.ndarray) -> np.ndarray:
 class ImageKind(Pipeline):
     """The base of the kinds that decode each sample's image in a DALI graph (:class:`ImageTrain`,
     :class:`ImageEval`, :class:`fastio.Graph`): the image fields read (a token dataset or one without an image field
-    refused, naming the kind to read it with), the encoded images and indices fed, PIL naming an undecodable
-    image."""
+    refused, naming the kind to read it with), the encoded images and indices fed, each image's header read by DALI's
+    parser before :meth:`_graph` decodes it (:func:`headers_read`), PIL naming an undecodable image."""
 
     needs_image_size: ClassVar[bool] = False
     """Whether :meth:`inputs` needs each image's (width, height) (``ReadBatch.sizes``)."""
@@ -191,8 +209,14 @@ class ImageKind(Pipeline):
         return image_read_fields(ds, fields, self.kind, self.needs_image_size)
 
     def graph(self) -> GraphDef:
-        return GraphDef(declared(self.input_names(), self.input_dtypes), self.inputs, self._graph, self.output_names,
-                        image_problem)
+        return GraphDef(declared(self.input_names(), self.input_dtypes), self.inputs, self._headers_read_graph,
+                        self.output_names, image_problem)
+
+    def _headers_read_graph(self, inp: dict[str, Any], decoder_device: str) -> Any:
+        """:meth:`_graph` on ``encoded`` passed on once every image's header is read (:func:`headers_read`)."""
+        if "encoded" in inp:
+            inp["encoded"] = headers_read(inp["encoded"])
+        return self._graph(inp, decoder_device)
 
     def input_names(self) -> tuple[str, ...]:
         """What :meth:`inputs` returns for one batch, in order."""

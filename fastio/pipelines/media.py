@@ -53,6 +53,7 @@ from fastio.pipelines.image import (
     check_mean_std,
     check_side,
     finite_number,
+    headers_read,
     image_problem,
     image_read_fields,
 )
@@ -585,7 +586,7 @@ class VideoClips(_Clips):
 
     def _still_clips(self, fn, types, inp: dict[str, Any], decoder_device: str):
         """An image as a clip: decoded, its crop resized, repeated over ``frames`` (and ``clips_per_video``)."""
-        frame = fn.decoders.image(inp["encoded"], device=decoder_device, output_type=types.RGB,
+        frame = fn.decoders.image(headers_read(inp["encoded"]), device=decoder_device, output_type=types.RGB,
                                   adjust_orientation=False)
         frame = self._resize(fn, frame, inp)
         clip = self._normalize(fn, types, fn.stack(*[frame] * self.frames, axis_name="F"), inp["flip"])
