@@ -256,6 +256,79 @@ def test_an_avi_written_to_a_pipe_gives_its_clips_not_a_segfault(tmp_path, warm)
     assert rc == 0 and "clips ok" in out, (rc, out, err[-3000:])
 
 
+_WITHOUT_PYAV = """
+import sys
+sys.modules["av"] = None  # PyAV not installed where the Loader runs: import av raises ImportError
+"""
+
+
+def _stored(dest: Path, field: str) -> dict[str, bytes]:
+    """Each key's ``field`` bytes in the shards of dataset ``dest``."""
+    import tarfile
+
+    out = {}
+    for shard in sorted((dest / "shards").glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                if m.name.endswith("." + field):
+                    out[m.name[: -len(field) - 1]] = tar.extractfile(m).read()
+    return out
+
+
+def test_an_avi_written_to_a_pipe_is_stored_with_its_index(tmp_path, warm):
+    """Without PyAV where the Loader runs, no clip of an AVI is remuxed (trim_video needs PyAV): DALI's CPU decoder
+    was handed a pipe-written AVI (no index, 2**30 frames in its header) as convert stored it, and the process
+    crashed (a segfault, found in review). Convert now stores such an AVI with its index (its packets copied into
+    an AVI PyAV writes with one: no frame decoded or encoded), probe recording ``reindexed``, so a Loader without
+    PyAV reads it: every clip start's frames, in a process of its own that hides PyAV."""
+    from fastio.formats.media import avi_without_index
+
+    for codec, name in (("libvpx-vp9", "vp9"), ("mjpeg", "mjpeg"), ("libvpx", "vp8")):
+        piped = piped_avi(tmp_path / "src" / "c0" / f"{name}.avi", codec)
+        assert avi_without_index(piped.read_bytes())
+    assert not avi_without_index(make_video(tmp_path / "seekable.avi", "mjpeg", "avi").read_bytes())
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 3 and not result.skipped
+    stored, probes = _stored(tmp_path / "ds", "avi"), _stored(tmp_path / "ds", PROBE_FIELD)
+    for key, data in stored.items():
+        assert not avi_without_index(data), key
+        info = json.loads(probes[key])
+        assert info["frames"] == 30 and info["reindexed"] is True, (key, info)
+    script = tmp_path / "clips.py"
+    script.write_text(_WITHOUT_PYAV + _CLIPS_OF_EVERY_START)
+    rc, out, err = warm.run(script, tmp_path, str(tmp_path / "ds"), timeout=300)
+    assert rc == 0 and "clips ok" in out, (rc, out, err[-3000:])
+
+
+_FIRST_BATCH_OR_REFUSAL = """
+import fastio
+clips = fastio.VideoClips(frames=4, stride=3, size=8, dtype="uint8", crop="center")
+try:
+    with fastio.Loader(sys.argv[1], pipeline=clips, batch_size=2, device="cpu", seed=0, num_threads=1) as loader:
+        next(iter(loader))
+    print("delivered")
+except fastio.DatasetError as err:
+    print("refused:", err)
+"""
+
+
+def test_a_loader_without_pyav_refuses_an_avi_without_an_index_by_name(tmp_path, warm):
+    """A dataset converted before convert added the index (or indexed from a user's shards, which fastio index
+    never rewrites) holds the pipe-written AVI as it was: a Loader without PyAV crashed in DALI's CPU decoder.
+    It now refuses the batch in one line naming the shard, key and field, and the ways out."""
+    piped = piped_avi(tmp_path / "piped.avi", "libvpx-vp9").read_bytes()
+    fine = make_video(tmp_path / "fine.avi", "libvpx-vp9", "avi", frames=30).read_bytes()
+    dest = write_media(tmp_path / "ds", "avi", {"k0": fine, "k1": piped},
+                       {"k0": check_media(fine, "avi"), "k1": check_media(piped, "avi")})
+    script = tmp_path / "refused.py"
+    script.write_text(_WITHOUT_PYAV + _FIRST_BATCH_OR_REFUSAL)
+    rc, out, err = warm.run(script, tmp_path, str(dest), timeout=300)
+    assert rc == 0, (rc, out, err[-3000:])
+    assert f"refused: {dest}: shard shard-000000.tar key 'k1': field 'avi' is an AVI without an index" in out, out
+    assert "pip install -e '.[media]'" in out and "convert the file again" in out, out
+    assert len([line for line in out.splitlines() if line]) == 1, out
+
+
 def vpx_resized_midway(path: Path, codec: str, at: int = 10) -> Path:
     """A WebM of VP8 or VP9 (``codec``: libvpx, libvpx-vp9): ``at`` frames of 64 x 48, then 10 of 32 x 24 from a
     keyframe on (two encodes' packets in one stream, as a WebRTC recording switches resolution)."""

@@ -33,9 +33,9 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video", "is_avi", "dali_reads_audio", "parse_transcode", "transcode_flac",
-           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated", "flac_says_no_samples",
-           "wav_says_no_data", "whole_frames"]
+           "probe", "trim_video", "is_avi", "avi_without_index", "reindex_avi", "dali_reads_audio", "parse_transcode",
+           "transcode_flac", "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated",
+           "flac_says_no_samples", "wav_says_no_data", "whole_frames"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -209,6 +209,57 @@ def _codec_name(context) -> str:
 def is_avi(data) -> bool:
     """Whether ``data`` (bytes, or a uint8 array) is an AVI file (RIFF ``AVI ``)."""
     return bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"AVI "
+
+
+def _has_chunk(data, at: int, end: int, wanted: tuple[bytes, ...]) -> bool:
+    """Whether a RIFF chunk with an id of ``wanted`` lies between ``at`` and ``end`` of ``data``, at the top or in a
+    header list (``hdrl``, ``strl``: not ``movi``, whose chunks are the frames). A size past ``end`` (a file cut
+    off, or a writer that could not go back to fill it in: 2**32 - 1) ends the walk."""
+    while at + 8 <= end:
+        cid, size = bytes(data[at:at + 4]), int.from_bytes(bytes(data[at + 4:at + 8]), "little")
+        if cid in wanted:
+            return True
+        if cid == b"LIST" and bytes(data[at + 8:at + 12]) in (b"hdrl", b"strl") \
+                and _has_chunk(data, at + 12, min(end, at + 8 + size), wanted):
+            return True
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return False
+
+
+def avi_without_index(data) -> bool:
+    """Whether ``data`` (bytes, or a uint8 array) is an AVI (:func:`is_avi`) without an index: no ``idx1`` chunk and
+    no OpenDML ``indx`` in its header, as FFmpeg writing to a pipe, or a capture cut off before it closed the file,
+    leaves it (its header then says 2**30 frames). DALI's CPU decoder, handed one as it is, crashed the process (a
+    segfault): convert stores it with its index (:func:`reindex_avi`), and a Loader without PyAV, which cannot remux
+    it (:func:`trim_video`), refuses it."""
+    if not is_avi(data):
+        return False
+    end = min(len(data), 8 + int.from_bytes(bytes(data[4:8]), "little"))
+    return not _has_chunk(data, 12, end, (b"idx1", b"indx"))
+
+
+def reindex_avi(data: bytes) -> bytes:
+    """AVI ``data`` without an index (:func:`avi_without_index`) written again with one: its video and audio streams'
+    packets copied as they are (no frame decoded or encoded, the same timestamps) into an AVI that PyAV writes to a
+    seekable buffer, which gets the index and the header's frame counts. The trailing packets FFmpeg flags corrupt
+    (the partial last frame of a file cut off, :func:`whole_frames`) are left out: in the new file they would no
+    longer be flagged, and the probe would count them. MediaCheckError when PyAV cannot."""
+    import av
+
+    out = io.BytesIO()
+    try:
+        with av.open(io.BytesIO(data)) as src, av.open(out, "w", format="avi") as dst:
+            streams = [s for s in src.streams if s.type in ("video", "audio")]
+            copies = {s.index: dst.add_stream_from_template(s) for s in streams}
+            packets = [p for p in src.demux(streams) if p.pts is not None or p.dts is not None]  # not the flushes
+            for packet in packets[:whole_frames([p.is_corrupt for p in packets])]:
+                packet.stream = copies[packet.stream.index]
+                dst.mux(packet)
+    except (av.FFmpegError, ValueError) as err:
+        raise MediaCheckError(f"is an AVI without an index (written to a pipe, or cut off) that cannot be written "
+                              f"again with one ({getattr(err, 'strerror', None) or err}): re-encode it (e.g. ffmpeg "
+                              "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)") from None
+    return out.getvalue()
 
 
 def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None,
@@ -468,22 +519,28 @@ def prepare_media(data: bytes, field: str, transcode: str | None = DEFAULT_TRANS
         info = probe(data, field)
         if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
             data, field, source = transcode_vp9(data), "webm", info["codec"]
+    reindexed = is_video_field(field) and not audio_only and avi_without_index(data)
+    if reindexed:  # DALI's CPU decoder crashed on it where no PyAV remuxes it at load (trim_video)
+        data = reindex_avi(data)
     if "flac" in wanted and (audio_only or is_audio_field(field)):
         lacking = audio_codec_dali_lacks(data)
         if audio_only or lacking is not None:
             data, field, source = transcode_flac(data), "flac", lacking or "audio in a video file"
-    return field, data, check_media(data, field, video_decoder, transcoded_from=source)
+    return field, data, check_media(data, field, video_decoder, transcoded_from=source, reindexed=reindexed)
 
 
 def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECODER,
-                transcoded_from: str | None = None) -> bytes:
+                transcoded_from: str | None = None, reindexed: bool = False) -> bytes:
     """The ``probe.json`` bytes of a video file of a codec ``video_decoder`` keeps (``auto``: every codec a Loader
     decodes; ``cpu``: DALI's CPU decoder's; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
     stream is not decodable from its start), or of an audio file DALI's audio decoder reads; MediaCheckError (its
-    message: why, with the ways out) otherwise. ``transcoded_from``: recorded in the probe (the original's codec)."""
+    message: why, with the ways out) otherwise. ``transcoded_from``: recorded in the probe (the original's codec);
+    ``reindexed``: recorded as ``"reindexed": true`` (an AVI convert wrote again with its index, :func:`reindex_avi`)."""
     info = probe(data, field)
     if transcoded_from is not None:
         info["transcoded_from"] = transcoded_from
+    if reindexed:
+        info["reindexed"] = True
     codec = info["codec"]
     if info["kind"] == "video" and codec not in DECODER_CODECS[video_decoder]:
         raise MediaCheckError(_video_refusal(codec, video_decoder))
