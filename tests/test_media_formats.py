@@ -783,6 +783,92 @@ def test_flac_files_one_after_another_are_stored_as_one_flac(tmp_path):
     assert abs(tone_pitch(audio[17000:], 16000) - 1000.0) < 25 and abs(tone_pitch(audio[:15000], 16000) - 440) < 25
 
 
+def test_wav_files_one_after_another_are_skipped_by_name(tmp_path):
+    """``cat a.wav b.wav`` (a mono and a stereo one too): FFmpeg reads the first file's samples only (the probe
+    counted 16000) and DALI's audio decoder none ("No 'RIFF' chunk marker"), so convert stored it and every Loader
+    batch holding it failed, named only then; transcoding it would keep the first file's sound and drop the rest,
+    silently. Convert (and index) now skip it, naming the file and why, whatever --transcode says."""
+    src = tmp_path / "src" / "c0"
+    first = make_audio(tmp_path / "a.wav", "pcm_s16le", "wav", rate=16000, seconds=1.0).read_bytes()
+    second = make_audio(tmp_path / "b.wav", "pcm_s16le", "wav", rate=16000, seconds=0.5, pitch=1000.0).read_bytes()
+    stereo = make_audio(tmp_path / "s.wav", "pcm_s16le", "wav", rate=16000, channels=2).read_bytes()
+    src.mkdir(parents=True)
+    (src / "both.wav").write_bytes(first + second)
+    (src / "mixed.wav").write_bytes(first + stereo)
+    (src / "good.wav").write_bytes(first)
+    for name in ("both.wav", "mixed.wav"):
+        with pytest.raises(MediaCheckError, match=r"^it is WAV files one after another \(cat a.wav b.wav\): FFmpeg "
+                                                  r"reads only the first file's samples and DALI's audio decoder none"):
+            check_media((src / name).read_bytes(), "wav")
+    assert check_media(first + bytes(1000), "wav")  # trailing bytes that are not a file: read as before
+    for transcode in ("flac", "none"):
+        result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / f"ds-{transcode}", workers=1,
+                                       progress=False, transcode=transcode))
+        assert result.samples == 1 and sorted(s["path"] for s in result.skipped) == ["c0/both.wav", "c0/mixed.wav"]
+        assert all(s["reason"].startswith("it is WAV files one after another") for s in result.skipped)
+    from test_media import write_wds_tar
+
+    from fastio.convert.wds_index import IndexConfig, index_shards
+
+    write_wds_tar(tmp_path / "wds" / "a-000000.tar", {"k0.wav": first + second, "k0.cls": b"0"})
+    result = index_shards(IndexConfig(source=tmp_path / "wds"))
+    assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): it is WAV files one after another")
+
+
+def _streaminfo(data: bytes, *, samples: int | None = None, channels: int | None = None,
+                rate: int | None = None) -> bytes:
+    """FLAC ``data`` (no tag before it) with its STREAMINFO's total samples, channels or rate changed: a damaged
+    header (or one a tool rewrote wrong), the frames as they were."""
+    b, info = bytearray(data), 8
+    if samples is not None:  # 36 bits: the low 4 of byte 13, then 4 bytes
+        b[info + 13] = (b[info + 13] & 0xF0) | (samples >> 32 & 0xF)
+        b[info + 14:info + 18] = (samples & 0xFFFFFFFF).to_bytes(4, "big")
+    if channels is not None:  # 3 bits (channels - 1) after the 20 bits of rate
+        b[info + 12] = (b[info + 12] & 0xF1) | (channels - 1) << 1
+    if rate is not None:
+        bits = int.from_bytes(b[info + 10:info + 13], "big")
+        b[info + 10:info + 13] = (rate << 4 | bits & 0xF).to_bytes(3, "big")
+    return bytes(b)
+
+
+def test_a_flac_whose_streaminfo_disagrees_with_its_frames_is_stored_as_flac_or_skipped(tmp_path):
+    """A FLAC whose STREAMINFO counts fewer samples than its frames hold (DALI reads only those), more (DALI fails:
+    "Requested 32000 samples but got 16000"), other channels, or 0 Hz (DALI fails) was stored as it was: PyAV probes
+    it from its frames, and only verify --decode or the Loader's batch named it. By default it is now re-encoded at
+    convert (stored as FLAC, its header right), as a FLAC whose STREAMINFO says 0 samples is; with
+    transcode='none' skipped, naming what the header says."""
+    src = tmp_path / "src" / "c0"
+    good = make_audio(tmp_path / "a.flac", "flac", "flac", rate=16000, seconds=1.0).read_bytes()
+    damaged = {"fewer": _streaminfo(good, samples=8000), "more": _streaminfo(good, samples=32000),
+               "channels": _streaminfo(good, channels=2), "norate": _streaminfo(good, rate=0)}
+    src.mkdir(parents=True)
+    for name, data in damaged.items():
+        (src / f"{name}.flac").write_bytes(data)
+    (src / "good.flac").write_bytes(good)
+    said = {"fewer": r"8000 samples where its frames hold 16000 \(a damaged header\), so DALI's audio decoder reads "
+                     r"only 8000",
+            "more": r"32000 samples where its frames hold 16000 \(a damaged header\), so DALI's audio decoder reads "
+                    r"none",
+            "channels": r"2 channels where its frames have 1 \(a damaged header\), so DALI's audio decoder reads none",
+            "norate": r"0 Hz \(a damaged header\), so DALI's audio decoder reads none"}
+    for name, data in damaged.items():
+        with pytest.raises(MediaCheckError, match=rf"^its STREAMINFO says {said[name]} of its 16000 samples: convert "
+                                                  r"it with --transcode flac"):
+            check_media(data, "flac")
+    assert check_media(good, "flac")
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 5 and not result.skipped and result.transcoded == {"flac": {"flac": 4}}
+    import fastio
+
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=5) as ld:
+        b = next(iter(ld))
+    assert all(abs(tone_pitch(w, 16000) - 440.0) < 25 for w in b["audio"].numpy())
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
+                                   transcode="none"))
+    assert sorted(s["path"] for s in result.skipped) == [f"c0/{n}.flac" for n in sorted(damaged)]
+    assert result.samples == 1
+
+
 def test_a_chained_ogg_is_stored_as_flac_or_skipped(tmp_path):
     """Ogg files one after another in one file (a chained Ogg: a recorded radio stream, ``cat a.opus b.opus``): FFmpeg
     reads every stream's samples, DALI's audio decoder the first stream's only. It was stored as it was, and every

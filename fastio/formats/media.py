@@ -35,7 +35,8 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
            "probe", "trim_video", "is_avi", "avi_without_index", "reindex_avi", "dali_reads_audio", "parse_transcode",
            "transcode_flac", "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated",
-           "flac_says_no_samples", "wav_says_no_data", "whole_frames"]
+           "flac_says_no_samples", "wav_says_no_data", "whole_frames", "flac_header_disagrees", "wav_files_joined",
+           "refuse_joined_wav"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -92,6 +93,8 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
     import av
 
     video = is_video_field(field)
+    if not video:
+        refuse_joined_wav(data)
     try:
         with av.open(io.BytesIO(data)) as container:
             image = _image_format(container.format.name)
@@ -411,12 +414,13 @@ def audio_codec_dali_lacks(data: bytes) -> str | None:
         return None
 
 
-def _dali_reads_less(data: bytes) -> str | None:
+def _dali_reads_less(data: bytes, samples: int | None = None) -> str | None:
     """How much of audio ``data`` DALI's audio decoder reads, where it reads less than FFmpeg (the probe) of a
     container and codec it reads (:data:`DALI_AUDIO_CONTAINERS`): ``"none"`` of a WAV whose data chunk says 0 bytes
     (:func:`wav_says_no_data`) or a FLAC whose STREAMINFO says 0 samples (:func:`flac_says_no_samples`), ``"only the
     first file's"`` of FLAC files one after another (:func:`flac_concatenated`), ``"only the first stream's"`` of a
-    chained Ogg (:func:`fastio.formats.ogg.chained`);
+    chained Ogg (:func:`fastio.formats.ogg.chained`), ``"none"`` or ``"only N"`` of a FLAC whose STREAMINFO disagrees
+    with its frames (:func:`flac_header_disagrees`; ``samples``: FFmpeg's count, when known);
     the reason, completing "so DALI's audio decoder reads ... of its N samples"; None where it reads it all."""
     if wav_says_no_data(data):
         return ("its data chunk says 0 bytes (a WAV whose writer could not go back to fill in its size: a pipe, a "
@@ -430,7 +434,67 @@ def _dali_reads_less(data: bytes) -> str | None:
     if bytes(data[:4]) == b"OggS" and chained(data):
         return ("it is a chained Ogg stream (streams one after another in one file, as a recorded radio stream or "
                 "cat a.opus b.opus makes), so DALI's audio decoder reads only the first stream's")
+    return flac_header_disagrees(data, samples)
+
+
+def flac_header_disagrees(data: bytes, samples: int | None = None) -> str | None:
+    """What the STREAMINFO of FLAC ``data`` says that its frames (FFmpeg's reading, which the probe records)
+    contradict, where DALI's audio decoder (libsndfile, which believes the header) then reads less: total samples
+    other than the frames hold (not 0, :func:`flac_says_no_samples`: fewer, it reads only those; more, it fails),
+    other channels, or 0 Hz (it fails). A damaged header, or one a tool rewrote wrong. ``samples``: FFmpeg's count
+    when known (else the file is decoded). The reason, as :func:`_dali_reads_less` gives it; None otherwise."""
+    import av
+
+    at = _flac_start(data)
+    if at is None or len(data) < at + 26 or data[at + 4] & 0x7F != 0:  # STREAMINFO comes first
+        return None
+    info = int.from_bytes(bytes(data[at + 18:at + 26]), "big")  # rate 20 bits, channels - 1 3, bits - 1 5, total 36
+    rate, channels, total = info >> 44, (info >> 41 & 7) + 1, info & (1 << 36) - 1
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.audio[0]
+            heard = stream.channels
+            if samples is None:
+                samples = sum(f.samples for f in container.decode(stream))
+    except (av.FFmpegError, IndexError):
+        return None  # check_media names a file PyAV cannot read
+    header = "(a damaged header), so DALI's audio decoder reads"
+    if rate == 0:
+        return f"its STREAMINFO says 0 Hz {header} none"
+    if channels != heard:
+        return f"its STREAMINFO says {channels} channels where its frames have {heard} {header} none"
+    if total and total != samples:
+        return (f"its STREAMINFO says {total} samples where its frames hold {samples} {header} "
+                f"{f'only {total}' if total < samples else 'none'}")
     return None
+
+
+def _riff_wave(data) -> bool:
+    return bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"WAVE"
+
+
+def wav_files_joined(data) -> bool:
+    """Whether RIFF WAVE ``data`` holds another RIFF file among the chunks after its own (``cat a.wav b.wav``):
+    FFmpeg reads the first file's samples only, DALI's audio decoder (libsndfile) none ("No 'RIFF' chunk marker")."""
+    if not _riff_wave(data):
+        return False
+    at = 12
+    while at + 8 <= len(data):
+        if bytes(data[at:at + 4]) == b"RIFF":
+            return True
+        size = int.from_bytes(bytes(data[at + 4:at + 8]), "little")
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return False
+
+
+def refuse_joined_wav(data) -> None:
+    """MediaCheckError when ``data`` is WAV files one after another (:func:`wav_files_joined`): no decoder gives all
+    of its sound, and a transcode would keep the first file's only, so it is refused whatever ``transcode`` says."""
+    if wav_files_joined(data):
+        raise MediaCheckError("it is WAV files one after another (cat a.wav b.wav): FFmpeg reads only the first "
+                              "file's samples and DALI's audio decoder none of them; split it into its files, or join "
+                              "their sound into one file (e.g. ffmpeg -i a.wav -i b.wav -filter_complex "
+                              "concat=n=2:v=0:a=1 OUT.flac)")
 
 
 def _flac_start(data: bytes) -> int | None:
@@ -468,7 +532,7 @@ def wav_says_no_data(data: bytes) -> bool:
     """Whether ``data`` is a RIFF WAVE file whose ``data`` chunk says it holds 0 bytes while bytes follow it, as a
     writer that cannot seek back to fill in the size leaves it (Python's ``wave`` writing to a pipe, a recording cut
     off): FFmpeg reads the samples to the end of the file, DALI's audio decoder (libsndfile) reads none."""
-    if bytes(data[:4]) != b"RIFF" or bytes(data[8:12]) != b"WAVE":
+    if not _riff_wave(data):
         return False
     at = 12
     while at + 8 <= len(data):
@@ -514,6 +578,8 @@ def prepare_media(data: bytes, field: str, transcode: str | None = DEFAULT_TRANS
     MediaCheckError otherwise (:func:`check_media`). A transcoded file's probe names the codec it was transcoded
     from (``transcoded_from``)."""
     wanted, source = (transcode or "").split(","), None
+    if is_audio_field(field):  # before transcoding, which would keep the first file's sound only
+        refuse_joined_wav(data)
     audio_only = "flac" in wanted and is_video_field(field) and _audio_only(data)
     if "vp9" in wanted and is_video_field(field) and not audio_only:
         info = probe(data, field)
@@ -551,7 +617,7 @@ def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECO
                               "be decoded; re-encode it (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
-    less = _dali_reads_less(data) if info["kind"] == "audio" else None
+    less = _dali_reads_less(data, info["samples"]) if info["kind"] == "audio" else None
     if less is not None:
         raise MediaCheckError(f"{less} of its {count(info['samples'], 'sample')}: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()
