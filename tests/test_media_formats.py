@@ -373,6 +373,53 @@ def test_a_vp8_or_vp9_video_whose_frame_size_changes_is_skipped_by_name(tmp_path
     assert sorted(s["path"] for s in result.skipped) == ["c0/vp8.webm", "c0/vp9.webm"] and result.samples == 1
 
 
+def mjpeg_resized_midway(path: Path, fmt: str, at: int = 10) -> Path:
+    """An MJPEG video in container ``fmt`` (``avi``, ``matroska``): ``at`` frames of 64 x 48, then 10 of 32 x 24
+    (each frame a JPEG of its own size, as a webcam switching resolution writes them)."""
+    from fractions import Fraction
+
+    def part(w: int, h: int, k0: int, n: int) -> list[bytes]:
+        enc = av.CodecContext.create("mjpeg", "w")
+        enc.width, enc.height, enc.pix_fmt, enc.time_base = w, h, "yuvj420p", Fraction(1, 12)
+        enc.options = {"qmin": "1", "qmax": "2"}
+        packets = []
+        for k in range(k0, k0 + n):
+            rgb = np.full((h, w, 3), synthetic.frame_level(k), np.uint8)
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuvj420p")
+            frame.pts = k - k0
+            packets += [bytes(p) for p in enc.encode(frame)]
+        return packets + [bytes(p) for p in enc.encode(None)]
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format=fmt) as out:
+        stream = out.add_stream("mjpeg", rate=12)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuvj420p"
+        for k, data in enumerate(part(64, 48, 0, at) + part(32, 24, at, 10)):
+            packet = av.Packet(data)
+            packet.pts = packet.dts = k
+            packet.is_keyframe = True
+            packet.stream, packet.time_base = stream, Fraction(1, 12)
+            out.mux(packet)
+    return path
+
+
+def test_an_mjpeg_video_whose_frame_size_changes_is_skipped_by_name(tmp_path):
+    """An MJPEG video whose frames change size (every MJPEG frame is a JPEG with its own size: a webcam switching
+    resolution) was stored, and DALI's CPU decoder then gave clips of wrong frames without an error (frames [6, 9,
+    0, 1] for a clip of 6, 9, 12, 15), or failed a batch naming only its keys. The probe now reads each frame's size
+    from its JPEG header (no frame decoded), as it reads VP8 and VP9 keyframes', and convert skips such a video,
+    naming the change."""
+    mjpeg_resized_midway(tmp_path / "src" / "c0" / "cam.avi", "avi")
+    mjpeg_resized_midway(tmp_path / "src" / "c0" / "cam2.mkv", "matroska")
+    make_video(tmp_path / "src" / "c0" / "fine.avi", "mjpeg", "avi", frames=12)
+    for name in ("cam.avi", "cam2.mkv"):
+        with pytest.raises(MediaCheckError, match=r"its frame size changes mid-stream \(64 x 48, then 32 x 24 at "
+                                                  r"frame 10\): re-encode it at one size"):
+            check_media((tmp_path / "src" / "c0" / name).read_bytes(), name.split(".")[1])
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert sorted(s["path"] for s in result.skipped) == ["c0/cam.avi", "c0/cam2.mkv"] and result.samples == 1
+
+
 def test_verify_decode_names_a_stored_video_whose_frame_size_changes(tmp_path, capsys):
     """A dataset converted before the check holds such a video (its probe.json of the first size), which the Loader
     delivers wrong without an error: verify --decode, which decodes a video's first 16 frames, passed one changing

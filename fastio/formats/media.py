@@ -24,6 +24,7 @@ import json
 import os
 from typing import Any
 
+from fastio.formats.images import image_size
 from fastio.formats.ogg import chained
 from fastio.formats.vpx import VPX_CODECS, keyframe_size
 from fastio.words import agree, count
@@ -144,11 +145,11 @@ def _image_format(demuxer: str) -> str | None:
 
 def _probe_video(container, stream) -> dict[str, Any]:
     keys, first, codec = [], [], _codec_name(stream.codec_context)  # each packet's keyframe flag; the first packets
-    sizes: dict[tuple[int, int], int] = {}  # each VP8/VP9 keyframe size its header says -> its first frame
+    sizes: dict[tuple[int, int], int] = {}  # each keyframe size its header says (_coded_size) -> its first frame
     corrupt = []  # each packet's corrupt flag (a file cut off mid-frame ends with a partial one: whole_frames)
     for p in container.demux(stream):
         if p.size and p.pts is not None:
-            size = keyframe_size(codec, bytes(p)) if p.is_keyframe and codec in VPX_CODECS else None
+            size = _coded_size(codec, p)
             if size is not None:
                 sizes.setdefault(size, len(keys))
             keys.append(p.is_keyframe)
@@ -165,6 +166,23 @@ def _probe_video(container, stream) -> dict[str, Any]:
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
             "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
             "keyframes": [k for k, key in enumerate(keys) if key], **({"rotation": turn} if turn else {})}
+
+
+def _coded_size(codec: str, packet) -> tuple[int, int] | None:
+    """``(width, height)`` a keyframe's own header says, read from its packet's bytes (no frame decoded): a VP8 or VP9
+    keyframe's (:func:`fastio.formats.vpx.keyframe_size`), an MJPEG frame's JPEG header (every MJPEG frame is a
+    keyframe of its own size: DALI's CPU decoder gave the frames after a change wrong, without an error); None
+    for another codec, a packet that is not a keyframe, or a header that does not parse."""
+    if not packet.is_keyframe:
+        return None
+    if codec in VPX_CODECS:
+        return keyframe_size(codec, bytes(packet))
+    if codec == "mjpeg":
+        try:
+            return image_size(bytes(packet))
+        except ValueError:
+            return None
+    return None
 
 
 def whole_frames(corrupt: list[bool]) -> int:
