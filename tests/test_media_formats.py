@@ -700,6 +700,37 @@ def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path)
     assert kept in (1, 2) and (kept == 1) == ("c0/cut.mkv" in reasons)
 
 
+def song_with_cover(path: Path, fmt: str = "mp4") -> Path:
+    """AAC with its cover picture (an MJPEG stream flagged attached_pic, as iTunes' .m4a and podcasts carry one), in
+    container ``fmt``: no video, though FFmpeg lists the picture as a video stream."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format=fmt) as out:
+        sound = out.add_stream("aac", rate=48000, layout="mono")
+        cover = out.add_stream("mjpeg", rate=1)
+        cover.width, cover.height, cover.pix_fmt = 64, 48, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        for packet in [*cover.encode(av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24")),
+                       *cover.encode()]:
+            out.mux(packet)
+        _encode_audio(out, sound, synthetic.tone(1.0, 48000, 440.0), 48000, "mono")
+    return path
+
+
+def test_a_song_with_its_cover_picture_named_as_a_video_is_named_as_audio(tmp_path):
+    """An .mp4 holding AAC and its cover picture (an .m4a named .mp4): the probe took the picture (FFmpeg's video
+    stream flagged attached_pic) for the video and refused the file, 'cannot be probed (no frames)', where the
+    same song without a cover is stored as FLAC by default (a video file holding only audio). The picture is not a
+    video: the file is now stored as FLAC by default and, with transcode='none', named as audio."""
+    song_with_cover(tmp_path / "src" / "c0" / "song.mp4")
+    make_video(tmp_path / "src" / "c0" / "clip.mp4", "libvpx-vp9", "mp4", frames=8)
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 2 and not result.skipped and result.transcoded == {"flac": {"aac": 1}}
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
+                                   transcode="none"))
+    [skip] = result.skipped
+    assert skip["path"] == "c0/song.mp4" and skip["reason"].startswith("no video stream, only audio (aac in mov"), skip
+
+
 def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path):
     """Audio suffixes holding what PyAV reads but DALI's audio decoder does not (AAC in a .wav, Opus in Matroska
     named .opus, ALAC in MP4 named .flac, AAC in ADTS named .ogg): with ``transcode="none"`` skipped at convert,

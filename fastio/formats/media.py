@@ -37,7 +37,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "probe", "trim_video", "is_avi", "avi_without_index", "reindex_avi", "dali_reads_audio", "parse_transcode",
            "transcode_flac", "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated",
            "flac_says_no_samples", "wav_says_no_data", "whole_frames", "flac_header_disagrees", "wav_files_joined",
-           "refuse_joined_wav"]
+           "refuse_joined_wav", "video_streams"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -101,7 +101,7 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
             image = _image_format(container.format.name)
             if video and image:  # FFmpeg reads a still picture as a one-frame video: not what the suffix says
                 raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
-            streams = container.streams.video if video else container.streams.audio
+            streams = video_streams(container) if video else container.streams.audio
             if not streams:
                 raise MediaCheckError(_no_stream(container, video, field))
             stream = streams[0]
@@ -110,12 +110,22 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
 
 
+def video_streams(container) -> list:
+    """The video streams of an open PyAV ``container`` but the pictures FFmpeg lists as video streams flagged
+    ``attached_pic`` (a song's cover in an .m4a or .mp4, a FLAC's PICTURE block): not videos. The probe, the cuts
+    and the PyAV decoders read the first."""
+    import av
+
+    pic = av.stream.Disposition.attached_pic
+    return [s for s in container.streams.video if not s.disposition & pic]
+
+
 def _no_stream(container, video: bool, field: str) -> str:
     """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
     recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container); an audio
     field holding a video (a video named ``.flac``) as a video."""
-    if not video and container.streams.video:
-        shown = f"{container.streams.video[0].codec_context.name} in {container.format.name.split(',')[0]}"
+    if not video and video_streams(container):
+        shown = f"{video_streams(container)[0].codec_context.name} in {container.format.name.split(',')[0]}"
         return (f"no audio stream, only video ({shown}): its suffix says {field}; name it by its container (.webm, "
                 ".mkv, .mp4, ...) to store it as a video")
     if not video or not container.streams.audio:
@@ -130,7 +140,7 @@ def _audio_only(data: bytes) -> bool:
 
     try:
         with av.open(io.BytesIO(data)) as container:
-            return bool(container.streams.audio) and not container.streams.video
+            return bool(container.streams.audio) and not video_streams(container)
     except av.FFmpegError:
         return False
 
@@ -304,7 +314,7 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
 
     try:
         with av.open(io.BytesIO(data)) as src:
-            stream = src.streams.video[0]
+            stream = video_streams(src)[0]
             packets, k = [], 0
             for packet in src.demux(stream):
                 if not packet.size or packet.pts is None:
@@ -394,7 +404,7 @@ def transcode_vp9(data: bytes) -> bytes:
     out_buf = io.BytesIO()
     try:
         with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="webm") as out:
-            stream_in = src.streams.video[0]
+            stream_in = video_streams(src)[0]
             stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
             stream.width, stream.height, stream.pix_fmt = stream_in.width, stream_in.height, "yuv420p"
             stream.options = {"crf": "30", "b:v": "0", "deadline": "good", "cpu-used": "4", "row-mt": "1"}
