@@ -470,22 +470,19 @@ def flac_header_disagrees(data: bytes, samples: int | None = None) -> str | None
     contradict, where DALI's audio decoder (libsndfile, which believes the header) then reads less: total samples
     other than the frames hold (not 0, :func:`flac_says_no_samples`: fewer, it reads only those; more, it fails),
     other channels, or 0 Hz (it fails). A damaged header, or one a tool rewrote wrong. ``samples``: FFmpeg's count
-    when known (else the file is decoded). The reason, as :func:`_dali_reads_less` gives it; None otherwise."""
-    import av
-
+    when known (else its frames' lengths, as FFmpeg's parser demuxes them, and only where they disagree with the
+    header, a decode's count). The reason, as :func:`_dali_reads_less` gives it; None otherwise."""
     at = _flac_start(data)
     if at is None or len(data) < at + 26 or data[at + 4] & 0x7F != 0:  # STREAMINFO comes first
         return None
     info = int.from_bytes(bytes(data[at + 18:at + 26]), "big")  # rate 20 bits, channels - 1 3, bits - 1 5, total 36
     rate, channels, total = info >> 44, (info >> 41 & 7) + 1, info & (1 << 36) - 1
-    try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.audio[0]
-            heard = stream.channels
-            if samples is None:
-                samples = sum(f.samples for f in container.decode(stream))
-    except (av.FFmpegError, IndexError):
+    frames = _flac_frames(data, decode=False)
+    if frames is None:
         return None  # check_media names a file PyAV cannot read
+    heard, counted = frames
+    if samples is None:
+        samples = counted if not total or total == counted else (_flac_frames(data, decode=True) or frames)[1]
     header = "(a damaged header), so DALI's audio decoder reads"
     if rate == 0:
         return f"its STREAMINFO says 0 Hz {header} none"
@@ -495,6 +492,24 @@ def flac_header_disagrees(data: bytes, samples: int | None = None) -> str | None
         return (f"its STREAMINFO says {total} samples where its frames hold {samples} {header} "
                 f"{f'only {total}' if total < samples else 'none'}")
     return None
+
+
+def _flac_frames(data: bytes, decode: bool) -> tuple[int, int] | None:
+    """``(channels, samples)`` of FLAC ``data`` as FFmpeg reads its frames: the samples decoded, or (``decode``
+    False) the sum of its frames' lengths, as its parser demuxes them (no frame decoded); None when PyAV cannot."""
+    import av
+
+    try:
+        with av.open(io.BytesIO(data)) as container:
+            stream = container.streams.audio[0]
+            if decode:
+                samples = sum(f.samples for f in container.decode(stream))
+            else:  # in the stream's time base, 1 / STREAMINFO's rate: at the frames' rate
+                ticks = sum(p.duration or 0 for p in container.demux(stream))
+                samples = round(ticks * stream.time_base * stream.sample_rate)
+            return stream.channels, samples
+    except (av.FFmpegError, IndexError, ZeroDivisionError, TypeError):
+        return None
 
 
 def _riff_wave(data) -> bool:
