@@ -731,6 +731,29 @@ def test_a_song_with_its_cover_picture_named_as_a_video_is_named_as_audio(tmp_pa
     assert skip["path"] == "c0/song.mp4" and skip["reason"].startswith("no video stream, only audio (aac in mov"), skip
 
 
+def test_a_codec_ffmpeg_has_no_decoder_for_is_skipped_by_name_not_a_crash(tmp_path):
+    """A WAV whose format tag says IEEE float at 16 bits, an AVI whose fourcc names no codec FFmpeg knows: PyAV opens
+    them but gives their stream no codec context (None), and the probe read its name: a bare AttributeError ('NoneType'
+    object has no attribute 'name') stopped the whole conversion with a traceback. Such a file is now skipped,
+    named, with the reason (and check_media raises MediaCheckError)."""
+    src = tmp_path / "src" / "c0"
+    wav = bytearray(make_audio(src / "good.wav", "pcm_s16le", "wav", rate=16000).read_bytes())
+    at = wav.find(b"fmt ") + 8
+    wav[at:at + 2] = (3).to_bytes(2, "little")  # WAVE_FORMAT_IEEE_FLOAT, its bits still 16
+    (src / "float16.wav").write_bytes(bytes(wav))
+    avi = make_video(src / "good.avi", "mjpeg", "avi").read_bytes()
+    (src / "unknown.avi").write_bytes(avi.replace(b"MJPG", b"ZZZZ"))
+    for name in ("float16.wav", "unknown.avi"):
+        with pytest.raises(MediaCheckError, match=r"^cannot be probed \(its (audio|video) codec has no decoder in "
+                                                  r"FFmpeg\)"):
+            check_media((src / name).read_bytes(), name.split(".")[1])
+    for transcode in ("flac", "none", "vp9,flac"):
+        result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / f"ds-{transcode}", workers=1,
+                                       progress=False, transcode=transcode))
+        assert sorted(s["path"] for s in result.skipped) == ["c0/float16.wav", "c0/unknown.avi"], result.skipped
+        assert result.samples == 2
+
+
 def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path):
     """Audio suffixes holding what PyAV reads but DALI's audio decoder does not (AAC in a .wav, Opus in Matroska
     named .opus, ALAC in MP4 named .flac, AAC in ADTS named .ogg): with ``transcode="none"`` skipped at convert,

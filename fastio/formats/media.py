@@ -105,6 +105,7 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
             if not streams:
                 raise MediaCheckError(_no_stream(container, video, field))
             stream = streams[0]
+            _codec_context(stream)
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
@@ -120,17 +121,32 @@ def video_streams(container) -> list:
     return [s for s in container.streams.video if not s.disposition & pic]
 
 
+def _codec_context(stream):
+    """``stream``'s codec context; MediaCheckError when FFmpeg has no decoder for its codec, where PyAV gives None (a
+    WAV whose format tag and bits name no sample format, an AVI's unknown fourcc): its name was read, and a bare
+    AttributeError stopped the conversion."""
+    if stream.codec_context is None:
+        raise MediaCheckError(f"cannot be probed (its {stream.type} codec has no decoder in FFmpeg)")
+    return stream.codec_context
+
+
+def _shown(container, stream) -> str:
+    """``codec in container`` for messages (``opus in matroska``), ``a codec FFmpeg has no decoder for`` for one."""
+    codec = "a codec FFmpeg has no decoder for" if stream.codec_context is None else stream.codec_context.name
+    return f"{codec} in {container.format.name.split(',')[0]}"
+
+
 def _no_stream(container, video: bool, field: str) -> str:
     """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
     recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container); an audio
     field holding a video (a video named ``.flac``) as a video."""
     if not video and video_streams(container):
-        shown = f"{video_streams(container)[0].codec_context.name} in {container.format.name.split(',')[0]}"
+        shown = _shown(container, video_streams(container)[0])
         return (f"no audio stream, only video ({shown}): its suffix says {field}; name it by its container (.webm, "
                 ".mkv, .mp4, ...) to store it as a video")
     if not video or not container.streams.audio:
         return f"no {'video' if video else 'audio'} stream"
-    audio = f"{container.streams.audio[0].codec_context.name} in {container.format.name.split(',')[0]}"
+    audio = _shown(container, container.streams.audio[0])
     return f"no video stream, only audio ({audio}), which DALI's audio decoder does not read: {_AUDIO_WAYS_OUT}"
 
 
@@ -405,6 +421,7 @@ def transcode_vp9(data: bytes) -> bytes:
     try:
         with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="webm") as out:
             stream_in = video_streams(src)[0]
+            _codec_context(stream_in)
             stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
             stream.width, stream.height, stream.pix_fmt = stream_in.width, stream_in.height, "yuv420p"
             stream.options = {"crf": "30", "b:v": "0", "deadline": "good", "cpu-used": "4", "row-mt": "1"}
@@ -435,7 +452,10 @@ def audio_codec_dali_lacks(data: bytes) -> str | None:
 
     try:
         with av.open(io.BytesIO(data)) as container:
-            codec = container.streams.audio[0].codec_context.name
+            context = container.streams.audio[0].codec_context
+            if context is None:  # no decoder: check_media names it
+                return None
+            codec = context.name
             reads = _dali_reads_audio(container.format.name.split(",")[0], codec) and _dali_reads_less(data) is None
             return None if reads else codec
     except (av.FFmpegError, IndexError):
@@ -596,6 +616,7 @@ def transcode_flac(data: bytes) -> bytes:
     try:
         with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="flac") as out:
             stream_in = src.streams.audio[0]
+            _codec_context(stream_in)
             layout, rate = stream_in.layout.name, stream_in.sample_rate
             stream = out.add_stream("flac", rate=rate, layout=layout)
             resampler = av.AudioResampler(format="s16", layout=layout, rate=rate,
