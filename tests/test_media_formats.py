@@ -754,6 +754,40 @@ def test_a_codec_ffmpeg_has_no_decoder_for_is_skipped_by_name_not_a_crash(tmp_pa
         assert result.samples == 2
 
 
+def _with_latin1_artist(wav: bytes) -> bytes:
+    """``wav`` with a LIST/INFO chunk naming its artist in Latin-1 (``Beyoncé``), as older taggers and recorders
+    write it: FFmpeg reads it into the file's metadata, bytes that are not UTF-8."""
+    import struct
+
+    text = "Beyoncé".encode("latin-1") + b"\0"
+    info = b"INFO" + b"IART" + struct.pack("<I", len(text)) + text + b"\0" * (len(text) % 2)
+    data = wav[:12] + b"LIST" + struct.pack("<I", len(info)) + info + wav[12:]
+    return data[:4] + struct.pack("<I", len(data) - 8) + data[8:]
+
+
+def test_a_file_whose_tags_are_not_utf8_is_read_not_a_crash(tmp_path):
+    """A WAV whose INFO tag names its artist in Latin-1 (an older tagger's): PyAV decodes a file's metadata as UTF-8
+    when it opens it, strictly, so the probe's av.open raised a bare UnicodeDecodeError and the whole conversion
+    stopped with a traceback (and a Loader's PyAV decode, verify, index would too). Media files are now opened with
+    undecodable tag bytes replaced (nothing fastio reads is in the tags): it is stored, its clips its tone. An AVI
+    with such an INFO tag (its software name) too."""
+    import fastio
+
+    src = tmp_path / "src" / "c0"
+    wav = make_audio(tmp_path / "a.wav", "pcm_s16le", "wav", rate=16000, pitch=440.0).read_bytes()
+    src.mkdir(parents=True)
+    (src / "tagged.wav").write_bytes(_with_latin1_artist(wav))
+    avi = make_video(tmp_path / "v.avi", "mjpeg", "avi", frames=8).read_bytes()
+    assert avi.count(b"Lavf") == 1
+    latin = avi.replace(b"Lavf", "Lävf".encode("latin-1"))
+    assert json.loads(check_media(latin, "avi"))["frames"] == 8
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 1 and not result.skipped
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=1) as ld:
+        audio = next(iter(ld))["audio"][0].numpy()
+    assert abs(tone_pitch(audio, 16000) - 440.0) < 25
+
+
 def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path):
     """Audio suffixes holding what PyAV reads but DALI's audio decoder does not (AAC in a .wav, Opus in Matroska
     named .opus, ALAC in MP4 named .flac, AAC in ADTS named .ogg): with ``transcode="none"`` skipped at convert,

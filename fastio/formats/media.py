@@ -37,7 +37,7 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "probe", "trim_video", "is_avi", "avi_without_index", "reindex_avi", "dali_reads_audio", "parse_transcode",
            "transcode_flac", "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated",
            "flac_says_no_samples", "wav_says_no_data", "whole_frames", "flac_header_disagrees", "wav_files_joined",
-           "refuse_joined_wav", "video_streams"]
+           "refuse_joined_wav", "video_streams", "open_media"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -97,7 +97,7 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
     if not video:
         refuse_joined_wav(data)
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with open_media(data) as container:
             image = _image_format(container.format.name)
             if video and image:  # FFmpeg reads a still picture as a one-frame video: not what the suffix says
                 raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
@@ -136,6 +136,16 @@ def _shown(container, stream) -> str:
     return f"{codec} in {container.format.name.split(',')[0]}"
 
 
+def open_media(data: bytes):
+    """``data`` opened with PyAV for reading. A file's tags (its metadata: an artist, the software that wrote it) in
+    bytes that are not UTF-8 (a Latin-1 INFO tag of an older tagger) are read with those bytes replaced: PyAV decodes
+    them strictly when it opens a file, and a bare UnicodeDecodeError stopped the conversion. fastio reads nothing
+    of them."""
+    import av
+
+    return av.open(io.BytesIO(data), metadata_errors="replace")
+
+
 def _no_stream(container, video: bool, field: str) -> str:
     """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
     recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container); an audio
@@ -155,7 +165,7 @@ def _audio_only(data: bytes) -> bool:
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with open_media(data) as container:
             return bool(container.streams.audio) and not video_streams(container)
     except av.FFmpegError:
         return False
@@ -295,10 +305,11 @@ def reindex_avi(data: bytes) -> bytes:
 
     out = io.BytesIO()
     try:
-        with av.open(io.BytesIO(data)) as src, av.open(out, "w", format="avi") as dst:
+        with open_media(data) as src, av.open(out, "w", format="avi") as dst:
             streams = [s for s in src.streams if s.type in ("video", "audio")]
             copies = {s.index: dst.add_stream_from_template(s) for s in streams}
-            packets = [p for p in src.demux(streams) if p.pts is not None or p.dts is not None]  # not the flushes
+            packets = [p for p in src.demux(streams)  # not the flushes, nor a stream's the demuxer found later
+                       if (p.pts is not None or p.dts is not None) and p.stream.index in copies]
             for packet in packets[:whole_frames([p.is_corrupt for p in packets])]:
                 packet.stream = copies[packet.stream.index]
                 dst.mux(packet)
@@ -329,7 +340,7 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
         return data, 0
 
     try:
-        with av.open(io.BytesIO(data)) as src:
+        with open_media(data) as src:
             stream = video_streams(src)[0]
             packets, k = [], 0
             for packet in src.demux(stream):
@@ -419,7 +430,7 @@ def transcode_vp9(data: bytes) -> bytes:
 
     out_buf = io.BytesIO()
     try:
-        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="webm") as out:
+        with open_media(data) as src, av.open(out_buf, "w", format="webm") as out:
             stream_in = video_streams(src)[0]
             _codec_context(stream_in)
             stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
@@ -451,7 +462,7 @@ def audio_codec_dali_lacks(data: bytes) -> str | None:
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with open_media(data) as container:
             context = container.streams.audio[0].codec_context
             if context is None:  # no decoder: check_media names it
                 return None
@@ -520,7 +531,7 @@ def _flac_frames(data: bytes, decode: bool) -> tuple[int, int] | None:
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with open_media(data) as container:
             stream = container.streams.audio[0]
             if decode:
                 samples = sum(f.samples for f in container.decode(stream))
@@ -614,7 +625,7 @@ def transcode_flac(data: bytes) -> bytes:
 
     out_buf = io.BytesIO()
     try:
-        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="flac") as out:
+        with open_media(data) as src, av.open(out_buf, "w", format="flac") as out:
             stream_in = src.streams.audio[0]
             _codec_context(stream_in)
             layout, rate = stream_in.layout.name, stream_in.sample_rate

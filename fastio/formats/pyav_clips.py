@@ -12,11 +12,9 @@ decodes and converts).
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 
-from fastio.formats.media import MediaCheckError, video_streams, whole_frames
+from fastio.formats.media import MediaCheckError, open_media, video_streams, whole_frames
 
 __all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip", "undecodable_frame"]
 
@@ -42,7 +40,7 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with open_media(data) as container:
             stream = video_streams(container)[0]
             stream.codec_context.thread_count = 1  # parallel across clips, not inside one
             size = (stream.height, stream.width)  # the probe's
@@ -77,7 +75,7 @@ def undecodable_frame(data: bytes) -> str | None:
 
     decoded = 0
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with open_media(data) as container:
             stream = video_streams(container)[0]
             stream.codec_context.thread_count = 1
             held = []  # corrupt packets, decoded once a whole one follows: a partial last frame is not a frame
