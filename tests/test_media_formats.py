@@ -256,6 +256,79 @@ def test_an_avi_written_to_a_pipe_gives_its_clips_not_a_segfault(tmp_path, warm)
     assert rc == 0 and "clips ok" in out, (rc, out, err[-3000:])
 
 
+_WITHOUT_PYAV = """
+import sys
+sys.modules["av"] = None  # PyAV not installed where the Loader runs: import av raises ImportError
+"""
+
+
+def _stored(dest: Path, field: str) -> dict[str, bytes]:
+    """Each key's ``field`` bytes in the shards of dataset ``dest``."""
+    import tarfile
+
+    out = {}
+    for shard in sorted((dest / "shards").glob("*.tar")):
+        with tarfile.open(shard) as tar:
+            for m in tar.getmembers():
+                if m.name.endswith("." + field):
+                    out[m.name[: -len(field) - 1]] = tar.extractfile(m).read()
+    return out
+
+
+def test_an_avi_written_to_a_pipe_is_stored_with_its_index(tmp_path, warm):
+    """Without PyAV where the Loader runs, no clip of an AVI is remuxed (trim_video needs PyAV): DALI's CPU decoder
+    was handed a pipe-written AVI (no index, 2**30 frames in its header) as convert stored it, and the process
+    crashed (a segfault, found in review). Convert now stores such an AVI with its index (its packets copied into
+    an AVI PyAV writes with one: no frame decoded or encoded), probe recording ``reindexed``, so a Loader without
+    PyAV reads it: every clip start's frames, in a process of its own that hides PyAV."""
+    from fastio.formats.media import avi_without_index
+
+    for codec, name in (("libvpx-vp9", "vp9"), ("mjpeg", "mjpeg"), ("libvpx", "vp8")):
+        piped = piped_avi(tmp_path / "src" / "c0" / f"{name}.avi", codec)
+        assert avi_without_index(piped.read_bytes())
+    assert not avi_without_index(make_video(tmp_path / "seekable.avi", "mjpeg", "avi").read_bytes())
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 3 and not result.skipped
+    stored, probes = _stored(tmp_path / "ds", "avi"), _stored(tmp_path / "ds", PROBE_FIELD)
+    for key, data in stored.items():
+        assert not avi_without_index(data), key
+        info = json.loads(probes[key])
+        assert info["frames"] == 30 and info["reindexed"] is True, (key, info)
+    script = tmp_path / "clips.py"
+    script.write_text(_WITHOUT_PYAV + _CLIPS_OF_EVERY_START)
+    rc, out, err = warm.run(script, tmp_path, str(tmp_path / "ds"), timeout=300)
+    assert rc == 0 and "clips ok" in out, (rc, out, err[-3000:])
+
+
+_FIRST_BATCH_OR_REFUSAL = """
+import fastio
+clips = fastio.VideoClips(frames=4, stride=3, size=8, dtype="uint8", crop="center")
+try:
+    with fastio.Loader(sys.argv[1], pipeline=clips, batch_size=2, device="cpu", seed=0, num_threads=1) as loader:
+        next(iter(loader))
+    print("delivered")
+except fastio.DatasetError as err:
+    print("refused:", err)
+"""
+
+
+def test_a_loader_without_pyav_refuses_an_avi_without_an_index_by_name(tmp_path, warm):
+    """A dataset converted before convert added the index (or indexed from a user's shards, which fastio index
+    never rewrites) holds the pipe-written AVI as it was: a Loader without PyAV crashed in DALI's CPU decoder.
+    It now refuses the batch in one line naming the shard, key and field, and the ways out."""
+    piped = piped_avi(tmp_path / "piped.avi", "libvpx-vp9").read_bytes()
+    fine = make_video(tmp_path / "fine.avi", "libvpx-vp9", "avi", frames=30).read_bytes()
+    dest = write_media(tmp_path / "ds", "avi", {"k0": fine, "k1": piped},
+                       {"k0": check_media(fine, "avi"), "k1": check_media(piped, "avi")})
+    script = tmp_path / "refused.py"
+    script.write_text(_WITHOUT_PYAV + _FIRST_BATCH_OR_REFUSAL)
+    rc, out, err = warm.run(script, tmp_path, str(dest), timeout=300)
+    assert rc == 0, (rc, out, err[-3000:])
+    assert f"refused: {dest}: shard shard-000000.tar key 'k1': field 'avi' is an AVI without an index" in out, out
+    assert "pip install -e '.[media]'" in out and "convert the file again" in out, out
+    assert len([line for line in out.splitlines() if line]) == 1, out
+
+
 def vpx_resized_midway(path: Path, codec: str, at: int = 10) -> Path:
     """A WebM of VP8 or VP9 (``codec``: libvpx, libvpx-vp9): ``at`` frames of 64 x 48, then 10 of 32 x 24 from a
     keyframe on (two encodes' packets in one stream, as a WebRTC recording switches resolution)."""
@@ -298,6 +371,53 @@ def test_a_vp8_or_vp9_video_whose_frame_size_changes_is_skipped_by_name(tmp_path
             check_media((tmp_path / "src" / "c0" / f"{name}.webm").read_bytes(), "webm")
     result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
     assert sorted(s["path"] for s in result.skipped) == ["c0/vp8.webm", "c0/vp9.webm"] and result.samples == 1
+
+
+def mjpeg_resized_midway(path: Path, fmt: str, at: int = 10) -> Path:
+    """An MJPEG video in container ``fmt`` (``avi``, ``matroska``): ``at`` frames of 64 x 48, then 10 of 32 x 24
+    (each frame a JPEG of its own size, as a webcam switching resolution writes them)."""
+    from fractions import Fraction
+
+    def part(w: int, h: int, k0: int, n: int) -> list[bytes]:
+        enc = av.CodecContext.create("mjpeg", "w")
+        enc.width, enc.height, enc.pix_fmt, enc.time_base = w, h, "yuvj420p", Fraction(1, 12)
+        enc.options = {"qmin": "1", "qmax": "2"}
+        packets = []
+        for k in range(k0, k0 + n):
+            rgb = np.full((h, w, 3), synthetic.frame_level(k), np.uint8)
+            frame = av.VideoFrame.from_ndarray(rgb, format="rgb24").reformat(format="yuvj420p")
+            frame.pts = k - k0
+            packets += [bytes(p) for p in enc.encode(frame)]
+        return packets + [bytes(p) for p in enc.encode(None)]
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format=fmt) as out:
+        stream = out.add_stream("mjpeg", rate=12)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuvj420p"
+        for k, data in enumerate(part(64, 48, 0, at) + part(32, 24, at, 10)):
+            packet = av.Packet(data)
+            packet.pts = packet.dts = k
+            packet.is_keyframe = True
+            packet.stream, packet.time_base = stream, Fraction(1, 12)
+            out.mux(packet)
+    return path
+
+
+def test_an_mjpeg_video_whose_frame_size_changes_is_skipped_by_name(tmp_path):
+    """An MJPEG video whose frames change size (every MJPEG frame is a JPEG with its own size: a webcam switching
+    resolution) was stored, and DALI's CPU decoder then gave clips of wrong frames without an error (frames [6, 9,
+    0, 1] for a clip of 6, 9, 12, 15), or failed a batch naming only its keys. The probe now reads each frame's size
+    from its JPEG header (no frame decoded), as it reads VP8 and VP9 keyframes', and convert skips such a video,
+    naming the change."""
+    mjpeg_resized_midway(tmp_path / "src" / "c0" / "cam.avi", "avi")
+    mjpeg_resized_midway(tmp_path / "src" / "c0" / "cam2.mkv", "matroska")
+    make_video(tmp_path / "src" / "c0" / "fine.avi", "mjpeg", "avi", frames=12)
+    for name in ("cam.avi", "cam2.mkv"):
+        with pytest.raises(MediaCheckError, match=r"its frame size changes mid-stream \(64 x 48, then 32 x 24 at "
+                                                  r"frame 10\): re-encode it at one size"):
+            check_media((tmp_path / "src" / "c0" / name).read_bytes(), name.split(".")[1])
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert sorted(s["path"] for s in result.skipped) == ["c0/cam.avi", "c0/cam2.mkv"] and result.samples == 1
 
 
 def test_verify_decode_names_a_stored_video_whose_frame_size_changes(tmp_path, capsys):
@@ -580,6 +700,94 @@ def test_bad_files_are_skipped_and_named_with_their_reason(bad_folder, tmp_path)
     assert kept in (1, 2) and (kept == 1) == ("c0/cut.mkv" in reasons)
 
 
+def song_with_cover(path: Path, fmt: str = "mp4") -> Path:
+    """AAC with its cover picture (an MJPEG stream flagged attached_pic, as iTunes' .m4a and podcasts carry one), in
+    container ``fmt``: no video, though FFmpeg lists the picture as a video stream."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with av.open(str(path), "w", format=fmt) as out:
+        sound = out.add_stream("aac", rate=48000, layout="mono")
+        cover = out.add_stream("mjpeg", rate=1)
+        cover.width, cover.height, cover.pix_fmt = 64, 48, "yuvj420p"
+        cover.disposition = av.stream.Disposition.attached_pic
+        for packet in [*cover.encode(av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24")),
+                       *cover.encode()]:
+            out.mux(packet)
+        _encode_audio(out, sound, synthetic.tone(1.0, 48000, 440.0), 48000, "mono")
+    return path
+
+
+def test_a_song_with_its_cover_picture_named_as_a_video_is_named_as_audio(tmp_path):
+    """An .mp4 holding AAC and its cover picture (an .m4a named .mp4): the probe took the picture (FFmpeg's video
+    stream flagged attached_pic) for the video and refused the file, 'cannot be probed (no frames)', where the
+    same song without a cover is stored as FLAC by default (a video file holding only audio). The picture is not a
+    video: the file is now stored as FLAC by default and, with transcode='none', named as audio."""
+    song_with_cover(tmp_path / "src" / "c0" / "song.mp4")
+    make_video(tmp_path / "src" / "c0" / "clip.mp4", "libvpx-vp9", "mp4", frames=8)
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 2 and not result.skipped and result.transcoded == {"flac": {"aac": 1}}
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
+                                   transcode="none"))
+    [skip] = result.skipped
+    assert skip["path"] == "c0/song.mp4" and skip["reason"].startswith("no video stream, only audio (aac in mov"), skip
+
+
+def test_a_codec_ffmpeg_has_no_decoder_for_is_skipped_by_name_not_a_crash(tmp_path):
+    """A WAV whose format tag says IEEE float at 16 bits, an AVI whose fourcc names no codec FFmpeg knows: PyAV opens
+    them but gives their stream no codec context (None), and the probe read its name: a bare AttributeError ('NoneType'
+    object has no attribute 'name') stopped the whole conversion with a traceback. Such a file is now skipped,
+    named, with the reason (and check_media raises MediaCheckError)."""
+    src = tmp_path / "src" / "c0"
+    wav = bytearray(make_audio(src / "good.wav", "pcm_s16le", "wav", rate=16000).read_bytes())
+    at = wav.find(b"fmt ") + 8
+    wav[at:at + 2] = (3).to_bytes(2, "little")  # WAVE_FORMAT_IEEE_FLOAT, its bits still 16
+    (src / "float16.wav").write_bytes(bytes(wav))
+    avi = make_video(src / "good.avi", "mjpeg", "avi").read_bytes()
+    (src / "unknown.avi").write_bytes(avi.replace(b"MJPG", b"ZZZZ"))
+    for name in ("float16.wav", "unknown.avi"):
+        with pytest.raises(MediaCheckError, match=r"^cannot be probed \(its (audio|video) codec has no decoder in "
+                                                  r"FFmpeg\)"):
+            check_media((src / name).read_bytes(), name.split(".")[1])
+    for transcode in ("flac", "none", "vp9,flac"):
+        result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / f"ds-{transcode}", workers=1,
+                                       progress=False, transcode=transcode))
+        assert sorted(s["path"] for s in result.skipped) == ["c0/float16.wav", "c0/unknown.avi"], result.skipped
+        assert result.samples == 2
+
+
+def _with_latin1_artist(wav: bytes) -> bytes:
+    """``wav`` with a LIST/INFO chunk naming its artist in Latin-1 (``Beyoncé``), as older taggers and recorders
+    write it: FFmpeg reads it into the file's metadata, bytes that are not UTF-8."""
+    import struct
+
+    text = "Beyoncé".encode("latin-1") + b"\0"
+    info = b"INFO" + b"IART" + struct.pack("<I", len(text)) + text + b"\0" * (len(text) % 2)
+    data = wav[:12] + b"LIST" + struct.pack("<I", len(info)) + info + wav[12:]
+    return data[:4] + struct.pack("<I", len(data) - 8) + data[8:]
+
+
+def test_a_file_whose_tags_are_not_utf8_is_read_not_a_crash(tmp_path):
+    """A WAV whose INFO tag names its artist in Latin-1 (an older tagger's): PyAV decodes a file's metadata as UTF-8
+    when it opens it, strictly, so the probe's av.open raised a bare UnicodeDecodeError and the whole conversion
+    stopped with a traceback (and a Loader's PyAV decode, verify, index would too). Media files are now opened with
+    undecodable tag bytes replaced (nothing fastio reads is in the tags): it is stored, its clips its tone. An AVI
+    with such an INFO tag (its software name) too."""
+    import fastio
+
+    src = tmp_path / "src" / "c0"
+    wav = make_audio(tmp_path / "a.wav", "pcm_s16le", "wav", rate=16000, pitch=440.0).read_bytes()
+    src.mkdir(parents=True)
+    (src / "tagged.wav").write_bytes(_with_latin1_artist(wav))
+    avi = make_video(tmp_path / "v.avi", "mjpeg", "avi", frames=8).read_bytes()
+    assert avi.count(b"Lavf") == 1
+    latin = avi.replace(b"Lavf", "Lävf".encode("latin-1"))
+    assert json.loads(check_media(latin, "avi"))["frames"] == 8
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 1 and not result.skipped
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=0.5), batch_size=1) as ld:
+        audio = next(iter(ld))["audio"][0].numpy()
+    assert abs(tone_pitch(audio, 16000) - 440.0) < 25
+
+
 def test_audio_dali_cannot_read_is_skipped_at_convert_with_the_way_out(tmp_path):
     """Audio suffixes holding what PyAV reads but DALI's audio decoder does not (AAC in a .wav, Opus in Matroska
     named .opus, ALAC in MP4 named .flac, AAC in ADTS named .ogg): with ``transcode="none"`` skipped at convert,
@@ -708,6 +916,92 @@ def test_flac_files_one_after_another_are_stored_as_one_flac(tmp_path):
     with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=1.5), batch_size=1) as ld:
         audio = next(iter(ld))["audio"][0].numpy()
     assert abs(tone_pitch(audio[17000:], 16000) - 1000.0) < 25 and abs(tone_pitch(audio[:15000], 16000) - 440) < 25
+
+
+def test_wav_files_one_after_another_are_skipped_by_name(tmp_path):
+    """``cat a.wav b.wav`` (a mono and a stereo one too): FFmpeg reads the first file's samples only (the probe
+    counted 16000) and DALI's audio decoder none ("No 'RIFF' chunk marker"), so convert stored it and every Loader
+    batch holding it failed, named only then; transcoding it would keep the first file's sound and drop the rest,
+    silently. Convert (and index) now skip it, naming the file and why, whatever --transcode says."""
+    src = tmp_path / "src" / "c0"
+    first = make_audio(tmp_path / "a.wav", "pcm_s16le", "wav", rate=16000, seconds=1.0).read_bytes()
+    second = make_audio(tmp_path / "b.wav", "pcm_s16le", "wav", rate=16000, seconds=0.5, pitch=1000.0).read_bytes()
+    stereo = make_audio(tmp_path / "s.wav", "pcm_s16le", "wav", rate=16000, channels=2).read_bytes()
+    src.mkdir(parents=True)
+    (src / "both.wav").write_bytes(first + second)
+    (src / "mixed.wav").write_bytes(first + stereo)
+    (src / "good.wav").write_bytes(first)
+    for name in ("both.wav", "mixed.wav"):
+        with pytest.raises(MediaCheckError, match=r"^it is WAV files one after another \(cat a.wav b.wav\): FFmpeg "
+                                                  r"reads only the first file's samples and DALI's audio decoder none"):
+            check_media((src / name).read_bytes(), "wav")
+    assert check_media(first + bytes(1000), "wav")  # trailing bytes that are not a file: read as before
+    for transcode in ("flac", "none"):
+        result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / f"ds-{transcode}", workers=1,
+                                       progress=False, transcode=transcode))
+        assert result.samples == 1 and sorted(s["path"] for s in result.skipped) == ["c0/both.wav", "c0/mixed.wav"]
+        assert all(s["reason"].startswith("it is WAV files one after another") for s in result.skipped)
+    from test_media import write_wds_tar
+
+    from fastio.convert.wds_index import IndexConfig, index_shards
+
+    write_wds_tar(tmp_path / "wds" / "a-000000.tar", {"k0.wav": first + second, "k0.cls": b"0"})
+    result = index_shards(IndexConfig(source=tmp_path / "wds"))
+    assert result.skipped[0]["reason"].startswith("not probed (kept in the shard): it is WAV files one after another")
+
+
+def _streaminfo(data: bytes, *, samples: int | None = None, channels: int | None = None,
+                rate: int | None = None) -> bytes:
+    """FLAC ``data`` (no tag before it) with its STREAMINFO's total samples, channels or rate changed: a damaged
+    header (or one a tool rewrote wrong), the frames as they were."""
+    b, info = bytearray(data), 8
+    if samples is not None:  # 36 bits: the low 4 of byte 13, then 4 bytes
+        b[info + 13] = (b[info + 13] & 0xF0) | (samples >> 32 & 0xF)
+        b[info + 14:info + 18] = (samples & 0xFFFFFFFF).to_bytes(4, "big")
+    if channels is not None:  # 3 bits (channels - 1) after the 20 bits of rate
+        b[info + 12] = (b[info + 12] & 0xF1) | (channels - 1) << 1
+    if rate is not None:
+        bits = int.from_bytes(b[info + 10:info + 13], "big")
+        b[info + 10:info + 13] = (rate << 4 | bits & 0xF).to_bytes(3, "big")
+    return bytes(b)
+
+
+def test_a_flac_whose_streaminfo_disagrees_with_its_frames_is_stored_as_flac_or_skipped(tmp_path):
+    """A FLAC whose STREAMINFO counts fewer samples than its frames hold (DALI reads only those), more (DALI fails:
+    "Requested 32000 samples but got 16000"), other channels, or 0 Hz (DALI fails) was stored as it was: PyAV probes
+    it from its frames, and only verify --decode or the Loader's batch named it. By default it is now re-encoded at
+    convert (stored as FLAC, its header right), as a FLAC whose STREAMINFO says 0 samples is; with
+    transcode='none' skipped, naming what the header says."""
+    src = tmp_path / "src" / "c0"
+    good = make_audio(tmp_path / "a.flac", "flac", "flac", rate=16000, seconds=1.0).read_bytes()
+    damaged = {"fewer": _streaminfo(good, samples=8000), "more": _streaminfo(good, samples=32000),
+               "channels": _streaminfo(good, channels=2), "norate": _streaminfo(good, rate=0)}
+    src.mkdir(parents=True)
+    for name, data in damaged.items():
+        (src / f"{name}.flac").write_bytes(data)
+    (src / "good.flac").write_bytes(good)
+    said = {"fewer": r"8000 samples where its frames hold 16000 \(a damaged header\), so DALI's audio decoder reads "
+                     r"only 8000",
+            "more": r"32000 samples where its frames hold 16000 \(a damaged header\), so DALI's audio decoder reads "
+                    r"none",
+            "channels": r"2 channels where its frames have 1 \(a damaged header\), so DALI's audio decoder reads none",
+            "norate": r"0 Hz \(a damaged header\), so DALI's audio decoder reads none"}
+    for name, data in damaged.items():
+        with pytest.raises(MediaCheckError, match=rf"^its STREAMINFO says {said[name]} of its 16000 samples: convert "
+                                                  r"it with --transcode flac"):
+            check_media(data, "flac")
+    assert check_media(good, "flac")
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "ds", workers=1, progress=False))
+    assert result.samples == 5 and not result.skipped and result.transcoded == {"flac": {"flac": 4}}
+    import fastio
+
+    with loader(tmp_path / "ds", fastio.AudioClips(sample_rate=16000, seconds=1.0), batch_size=5) as ld:
+        b = next(iter(ld))
+    assert all(abs(tone_pitch(w, 16000) - 440.0) < 25 for w in b["audio"].numpy())
+    result = convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "none", workers=1, progress=False,
+                                   transcode="none"))
+    assert sorted(s["path"] for s in result.skipped) == [f"c0/{n}.flac" for n in sorted(damaged)]
+    assert result.samples == 1
 
 
 def test_a_chained_ogg_is_stored_as_flac_or_skipped(tmp_path):

@@ -24,6 +24,7 @@ import json
 import os
 from typing import Any
 
+from fastio.formats.images import image_size
 from fastio.formats.ogg import chained
 from fastio.formats.vpx import VPX_CODECS, keyframe_size
 from fastio.words import agree, count
@@ -33,9 +34,10 @@ __all__ = ["AUDIO_FIELDS", "CPU_AUDIO_REFUSED", "CPU_VIDEO_CODECS", "DALI_AUDIO_
            "MediaCheckError", "ProbeTable", "check_media", "count_video_codec", "join_video_codecs", "video_codecs_of",
            "write_probe_table", "is_audio_field", "is_media_field", "is_video_field", "media_field_for_suffix",
            "parse_probe", "prepare_media", "probe_json", "sniff_media_field", "transcode_vp9",
-           "probe", "trim_video", "is_avi", "dali_reads_audio", "parse_transcode", "transcode_flac",
-           "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated", "flac_says_no_samples",
-           "wav_says_no_data", "whole_frames"]
+           "probe", "trim_video", "is_avi", "avi_without_index", "reindex_avi", "dali_reads_audio", "parse_transcode",
+           "transcode_flac", "audio_codec_dali_lacks", "DEFAULT_TRANSCODE", "count_transcoded", "flac_concatenated",
+           "flac_says_no_samples", "wav_says_no_data", "whole_frames", "flac_header_disagrees", "wav_files_joined",
+           "refuse_joined_wav", "video_streams", "open_media"]
 
 VIDEO_FIELDS = ("mp4", "webm", "mkv", "mov", "avi")
 AUDIO_FIELDS = ("wav", "flac", "ogg", "opus", "mp3")
@@ -92,31 +94,69 @@ def probe(data: bytes, field: str) -> dict[str, Any]:
     import av
 
     video = is_video_field(field)
+    if not video:
+        refuse_joined_wav(data)
     try:
-        with av.open(io.BytesIO(data)) as container:
+        with open_media(data) as container:
             image = _image_format(container.format.name)
             if video and image:  # FFmpeg reads a still picture as a one-frame video: not what the suffix says
                 raise MediaCheckError(f"is a {image} image, not a video (its suffix says {field})")
-            streams = container.streams.video if video else container.streams.audio
+            streams = video_streams(container) if video else container.streams.audio
             if not streams:
                 raise MediaCheckError(_no_stream(container, video, field))
             stream = streams[0]
+            _codec_context(stream)
             return _probe_video(container, stream) if video else _probe_audio(container, stream)
     except av.FFmpegError as err:
         raise MediaCheckError(f"cannot be probed ({err.strerror or err})") from None
+
+
+def video_streams(container) -> list:
+    """The video streams of an open PyAV ``container`` but the pictures FFmpeg lists as video streams flagged
+    ``attached_pic`` (a song's cover in an .m4a or .mp4, a FLAC's PICTURE block): not videos. The probe, the cuts
+    and the PyAV decoders read the first."""
+    import av
+
+    pic = av.stream.Disposition.attached_pic
+    return [s for s in container.streams.video if not s.disposition & pic]
+
+
+def _codec_context(stream):
+    """``stream``'s codec context; MediaCheckError when FFmpeg has no decoder for its codec, where PyAV gives None (a
+    WAV whose format tag and bits name no sample format, an AVI's unknown fourcc): its name was read, and a bare
+    AttributeError stopped the conversion."""
+    if stream.codec_context is None:
+        raise MediaCheckError(f"cannot be probed (its {stream.type} codec has no decoder in FFmpeg)")
+    return stream.codec_context
+
+
+def _shown(container, stream) -> str:
+    """``codec in container`` for messages (``opus in matroska``), ``a codec FFmpeg has no decoder for`` for one."""
+    codec = "a codec FFmpeg has no decoder for" if stream.codec_context is None else stream.codec_context.name
+    return f"{codec} in {container.format.name.split(',')[0]}"
+
+
+def open_media(data: bytes):
+    """``data`` opened with PyAV for reading. A file's tags (its metadata: an artist, the software that wrote it) in
+    bytes that are not UTF-8 (a Latin-1 INFO tag of an older tagger) are read with those bytes replaced: PyAV decodes
+    them strictly when it opens a file, and a bare UnicodeDecodeError stopped the conversion. fastio reads nothing
+    of them."""
+    import av
+
+    return av.open(io.BytesIO(data), metadata_errors="replace")
 
 
 def _no_stream(container, video: bool, field: str) -> str:
     """Why a file has no stream of its field's kind; a video field holding only audio (Opus in WebM: a browser's
     recording) is named as audio, with the way to store it (DALI's audio decoder reads no such container); an audio
     field holding a video (a video named ``.flac``) as a video."""
-    if not video and container.streams.video:
-        shown = f"{container.streams.video[0].codec_context.name} in {container.format.name.split(',')[0]}"
+    if not video and video_streams(container):
+        shown = _shown(container, video_streams(container)[0])
         return (f"no audio stream, only video ({shown}): its suffix says {field}; name it by its container (.webm, "
                 ".mkv, .mp4, ...) to store it as a video")
     if not video or not container.streams.audio:
         return f"no {'video' if video else 'audio'} stream"
-    audio = f"{container.streams.audio[0].codec_context.name} in {container.format.name.split(',')[0]}"
+    audio = _shown(container, container.streams.audio[0])
     return f"no video stream, only audio ({audio}), which DALI's audio decoder does not read: {_AUDIO_WAYS_OUT}"
 
 
@@ -125,8 +165,8 @@ def _audio_only(data: bytes) -> bool:
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
-            return bool(container.streams.audio) and not container.streams.video
+        with open_media(data) as container:
+            return bool(container.streams.audio) and not video_streams(container)
     except av.FFmpegError:
         return False
 
@@ -141,11 +181,11 @@ def _image_format(demuxer: str) -> str | None:
 
 def _probe_video(container, stream) -> dict[str, Any]:
     keys, first, codec = [], [], _codec_name(stream.codec_context)  # each packet's keyframe flag; the first packets
-    sizes: dict[tuple[int, int], int] = {}  # each VP8/VP9 keyframe size its header says -> its first frame
+    sizes: dict[tuple[int, int], int] = {}  # each keyframe size its header says (_coded_size) -> its first frame
     corrupt = []  # each packet's corrupt flag (a file cut off mid-frame ends with a partial one: whole_frames)
     for p in container.demux(stream):
         if p.size and p.pts is not None:
-            size = keyframe_size(codec, bytes(p)) if p.is_keyframe and codec in VPX_CODECS else None
+            size = _coded_size(codec, p)
             if size is not None:
                 sizes.setdefault(size, len(keys))
             keys.append(p.is_keyframe)
@@ -162,6 +202,23 @@ def _probe_video(container, stream) -> dict[str, Any]:
     return {"kind": "video", "frames": frames, "fps": round(fps, 6), "seconds": round(frames / fps, 6),
             "codec": _codec_name(stream.codec_context), "width": stream.width, "height": stream.height,
             "keyframes": [k for k, key in enumerate(keys) if key], **({"rotation": turn} if turn else {})}
+
+
+def _coded_size(codec: str, packet) -> tuple[int, int] | None:
+    """``(width, height)`` a keyframe's own header says, read from its packet's bytes (no frame decoded): a VP8 or VP9
+    keyframe's (:func:`fastio.formats.vpx.keyframe_size`), an MJPEG frame's JPEG header (every MJPEG frame is a
+    keyframe of its own size: DALI's CPU decoder gave the frames after a change wrong, without an error); None
+    for another codec, a packet that is not a keyframe, or a header that does not parse."""
+    if not packet.is_keyframe:
+        return None
+    if codec in VPX_CODECS:
+        return keyframe_size(codec, bytes(packet))
+    if codec == "mjpeg":
+        try:
+            return image_size(bytes(packet))
+        except ValueError:
+            return None
+    return None
 
 
 def whole_frames(corrupt: list[bool]) -> int:
@@ -211,6 +268,58 @@ def is_avi(data) -> bool:
     return bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"AVI "
 
 
+def _has_chunk(data, at: int, end: int, wanted: tuple[bytes, ...]) -> bool:
+    """Whether a RIFF chunk with an id of ``wanted`` lies between ``at`` and ``end`` of ``data``, at the top or in a
+    header list (``hdrl``, ``strl``: not ``movi``, whose chunks are the frames). A size past ``end`` (a file cut
+    off, or a writer that could not go back to fill it in: 2**32 - 1) ends the walk."""
+    while at + 8 <= end:
+        cid, size = bytes(data[at:at + 4]), int.from_bytes(bytes(data[at + 4:at + 8]), "little")
+        if cid in wanted:
+            return True
+        if cid == b"LIST" and bytes(data[at + 8:at + 12]) in (b"hdrl", b"strl") \
+                and _has_chunk(data, at + 12, min(end, at + 8 + size), wanted):
+            return True
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return False
+
+
+def avi_without_index(data) -> bool:
+    """Whether ``data`` (bytes, or a uint8 array) is an AVI (:func:`is_avi`) without an index: no ``idx1`` chunk and
+    no OpenDML ``indx`` in its header, as FFmpeg writing to a pipe, or a capture cut off before it closed the file,
+    leaves it (its header then says 2**30 frames). DALI's CPU decoder, handed one as it is, crashed the process (a
+    segfault): convert stores it with its index (:func:`reindex_avi`), and a Loader without PyAV, which cannot remux
+    it (:func:`trim_video`), refuses it."""
+    if not is_avi(data):
+        return False
+    end = min(len(data), 8 + int.from_bytes(bytes(data[4:8]), "little"))
+    return not _has_chunk(data, 12, end, (b"idx1", b"indx"))
+
+
+def reindex_avi(data: bytes) -> bytes:
+    """AVI ``data`` without an index (:func:`avi_without_index`) written again with one: its video and audio streams'
+    packets copied as they are (no frame decoded or encoded, the same timestamps) into an AVI that PyAV writes to a
+    seekable buffer, which gets the index and the header's frame counts. The trailing packets FFmpeg flags corrupt
+    (the partial last frame of a file cut off, :func:`whole_frames`) are left out: in the new file they would no
+    longer be flagged, and the probe would count them. MediaCheckError when PyAV cannot."""
+    import av
+
+    out = io.BytesIO()
+    try:
+        with open_media(data) as src, av.open(out, "w", format="avi") as dst:
+            streams = [s for s in src.streams if s.type in ("video", "audio")]
+            copies = {s.index: dst.add_stream_from_template(s) for s in streams}
+            packets = [p for p in src.demux(streams)  # not the flushes, nor a stream's the demuxer found later
+                       if (p.pts is not None or p.dts is not None) and p.stream.index in copies]
+            for packet in packets[:whole_frames([p.is_corrupt for p in packets])]:
+                packet.stream = copies[packet.stream.index]
+                dst.mux(packet)
+    except (av.FFmpegError, ValueError) as err:
+        raise MediaCheckError(f"is an AVI without an index (written to a pipe, or cut off) that cannot be written "
+                              f"again with one ({getattr(err, 'strerror', None) or err}): re-encode it (e.g. ffmpeg "
+                              "-i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)") from None
+    return out.getvalue()
+
+
 def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None = None,
                remux: bool = False) -> tuple[bytes, int]:
     """``(stream, k)``: the frames ``k .. last`` of video ``data`` (frames counted as :func:`probe` counts them),
@@ -231,8 +340,8 @@ def trim_video(data: bytes, first: int, last: int, keyframes: list[int] | None =
         return data, 0
 
     try:
-        with av.open(io.BytesIO(data)) as src:
-            stream = src.streams.video[0]
+        with open_media(data) as src:
+            stream = video_streams(src)[0]
             packets, k = [], 0
             for packet in src.demux(stream):
                 if not packet.size or packet.pts is None:
@@ -321,8 +430,9 @@ def transcode_vp9(data: bytes) -> bytes:
 
     out_buf = io.BytesIO()
     try:
-        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="webm") as out:
-            stream_in = src.streams.video[0]
+        with open_media(data) as src, av.open(out_buf, "w", format="webm") as out:
+            stream_in = video_streams(src)[0]
+            _codec_context(stream_in)
             stream = out.add_stream("libvpx-vp9", rate=stream_in.average_rate or stream_in.guessed_rate or 24)
             stream.width, stream.height, stream.pix_fmt = stream_in.width, stream_in.height, "yuv420p"
             stream.options = {"crf": "30", "b:v": "0", "deadline": "good", "cpu-used": "4", "row-mt": "1"}
@@ -352,20 +462,24 @@ def audio_codec_dali_lacks(data: bytes) -> str | None:
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
-            codec = container.streams.audio[0].codec_context.name
+        with open_media(data) as container:
+            context = container.streams.audio[0].codec_context
+            if context is None:  # no decoder: check_media names it
+                return None
+            codec = context.name
             reads = _dali_reads_audio(container.format.name.split(",")[0], codec) and _dali_reads_less(data) is None
             return None if reads else codec
     except (av.FFmpegError, IndexError):
         return None
 
 
-def _dali_reads_less(data: bytes) -> str | None:
+def _dali_reads_less(data: bytes, samples: int | None = None) -> str | None:
     """How much of audio ``data`` DALI's audio decoder reads, where it reads less than FFmpeg (the probe) of a
     container and codec it reads (:data:`DALI_AUDIO_CONTAINERS`): ``"none"`` of a WAV whose data chunk says 0 bytes
     (:func:`wav_says_no_data`) or a FLAC whose STREAMINFO says 0 samples (:func:`flac_says_no_samples`), ``"only the
     first file's"`` of FLAC files one after another (:func:`flac_concatenated`), ``"only the first stream's"`` of a
-    chained Ogg (:func:`fastio.formats.ogg.chained`);
+    chained Ogg (:func:`fastio.formats.ogg.chained`), ``"none"`` or ``"only N"`` of a FLAC whose STREAMINFO disagrees
+    with its frames (:func:`flac_header_disagrees`; ``samples``: FFmpeg's count, when known);
     the reason, completing "so DALI's audio decoder reads ... of its N samples"; None where it reads it all."""
     if wav_says_no_data(data):
         return ("its data chunk says 0 bytes (a WAV whose writer could not go back to fill in its size: a pipe, a "
@@ -379,7 +493,82 @@ def _dali_reads_less(data: bytes) -> str | None:
     if bytes(data[:4]) == b"OggS" and chained(data):
         return ("it is a chained Ogg stream (streams one after another in one file, as a recorded radio stream or "
                 "cat a.opus b.opus makes), so DALI's audio decoder reads only the first stream's")
+    return flac_header_disagrees(data, samples)
+
+
+def flac_header_disagrees(data: bytes, samples: int | None = None) -> str | None:
+    """What the STREAMINFO of FLAC ``data`` says that its frames (FFmpeg's reading, which the probe records)
+    contradict, where DALI's audio decoder (libsndfile, which believes the header) then reads less: total samples
+    other than the frames hold (not 0, :func:`flac_says_no_samples`: fewer, it reads only those; more, it fails),
+    other channels, or 0 Hz (it fails). A damaged header, or one a tool rewrote wrong. ``samples``: FFmpeg's count
+    when known (else its frames' lengths, as FFmpeg's parser demuxes them, and only where they disagree with the
+    header, a decode's count). The reason, as :func:`_dali_reads_less` gives it; None otherwise."""
+    at = _flac_start(data)
+    if at is None or len(data) < at + 26 or data[at + 4] & 0x7F != 0:  # STREAMINFO comes first
+        return None
+    info = int.from_bytes(bytes(data[at + 18:at + 26]), "big")  # rate 20 bits, channels - 1 3, bits - 1 5, total 36
+    rate, channels, total = info >> 44, (info >> 41 & 7) + 1, info & (1 << 36) - 1
+    frames = _flac_frames(data, decode=False)
+    if frames is None:
+        return None  # check_media names a file PyAV cannot read
+    heard, counted = frames
+    if samples is None:
+        samples = counted if not total or total == counted else (_flac_frames(data, decode=True) or frames)[1]
+    header = "(a damaged header), so DALI's audio decoder reads"
+    if rate == 0:
+        return f"its STREAMINFO says 0 Hz {header} none"
+    if channels != heard:
+        return f"its STREAMINFO says {channels} channels where its frames have {heard} {header} none"
+    if total and total != samples:
+        return (f"its STREAMINFO says {total} samples where its frames hold {samples} {header} "
+                f"{f'only {total}' if total < samples else 'none'}")
     return None
+
+
+def _flac_frames(data: bytes, decode: bool) -> tuple[int, int] | None:
+    """``(channels, samples)`` of FLAC ``data`` as FFmpeg reads its frames: the samples decoded, or (``decode``
+    False) the sum of its frames' lengths, as its parser demuxes them (no frame decoded); None when PyAV cannot."""
+    import av
+
+    try:
+        with open_media(data) as container:
+            stream = container.streams.audio[0]
+            if decode:
+                samples = sum(f.samples for f in container.decode(stream))
+            else:  # in the stream's time base, 1 / STREAMINFO's rate: at the frames' rate
+                ticks = sum(p.duration or 0 for p in container.demux(stream))
+                samples = round(ticks * stream.time_base * stream.sample_rate)
+            return stream.channels, samples
+    except (av.FFmpegError, IndexError, ZeroDivisionError, TypeError):
+        return None
+
+
+def _riff_wave(data) -> bool:
+    return bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"WAVE"
+
+
+def wav_files_joined(data) -> bool:
+    """Whether RIFF WAVE ``data`` holds another RIFF file among the chunks after its own (``cat a.wav b.wav``):
+    FFmpeg reads the first file's samples only, DALI's audio decoder (libsndfile) none ("No 'RIFF' chunk marker")."""
+    if not _riff_wave(data):
+        return False
+    at = 12
+    while at + 8 <= len(data):
+        if bytes(data[at:at + 4]) == b"RIFF":
+            return True
+        size = int.from_bytes(bytes(data[at + 4:at + 8]), "little")
+        at += 8 + size + (size & 1)  # chunks are padded to an even size
+    return False
+
+
+def refuse_joined_wav(data) -> None:
+    """MediaCheckError when ``data`` is WAV files one after another (:func:`wav_files_joined`): no decoder gives all
+    of its sound, and a transcode would keep the first file's only, so it is refused whatever ``transcode`` says."""
+    if wav_files_joined(data):
+        raise MediaCheckError("it is WAV files one after another (cat a.wav b.wav): FFmpeg reads only the first "
+                              "file's samples and DALI's audio decoder none of them; split it into its files, or join "
+                              "their sound into one file (e.g. ffmpeg -i a.wav -i b.wav -filter_complex "
+                              "concat=n=2:v=0:a=1 OUT.flac)")
 
 
 def _flac_start(data: bytes) -> int | None:
@@ -417,7 +606,7 @@ def wav_says_no_data(data: bytes) -> bool:
     """Whether ``data`` is a RIFF WAVE file whose ``data`` chunk says it holds 0 bytes while bytes follow it, as a
     writer that cannot seek back to fill in the size leaves it (Python's ``wave`` writing to a pipe, a recording cut
     off): FFmpeg reads the samples to the end of the file, DALI's audio decoder (libsndfile) reads none."""
-    if bytes(data[:4]) != b"RIFF" or bytes(data[8:12]) != b"WAVE":
+    if not _riff_wave(data):
         return False
     at = 12
     while at + 8 <= len(data):
@@ -436,8 +625,9 @@ def transcode_flac(data: bytes) -> bytes:
 
     out_buf = io.BytesIO()
     try:
-        with av.open(io.BytesIO(data)) as src, av.open(out_buf, "w", format="flac") as out:
+        with open_media(data) as src, av.open(out_buf, "w", format="flac") as out:
             stream_in = src.streams.audio[0]
+            _codec_context(stream_in)
             layout, rate = stream_in.layout.name, stream_in.sample_rate
             stream = out.add_stream("flac", rate=rate, layout=layout)
             resampler = av.AudioResampler(format="s16", layout=layout, rate=rate,
@@ -463,27 +653,35 @@ def prepare_media(data: bytes, field: str, transcode: str | None = DEFAULT_TRANS
     MediaCheckError otherwise (:func:`check_media`). A transcoded file's probe names the codec it was transcoded
     from (``transcoded_from``)."""
     wanted, source = (transcode or "").split(","), None
+    if is_audio_field(field):  # before transcoding, which would keep the first file's sound only
+        refuse_joined_wav(data)
     audio_only = "flac" in wanted and is_video_field(field) and _audio_only(data)
     if "vp9" in wanted and is_video_field(field) and not audio_only:
         info = probe(data, field)
         if info["codec"] not in DECODER_CODECS[video_decoder] or (info.get("keyframes") or [0])[0] != 0:
             data, field, source = transcode_vp9(data), "webm", info["codec"]
+    reindexed = is_video_field(field) and not audio_only and avi_without_index(data)
+    if reindexed:  # DALI's CPU decoder crashed on it where no PyAV remuxes it at load (trim_video)
+        data = reindex_avi(data)
     if "flac" in wanted and (audio_only or is_audio_field(field)):
         lacking = audio_codec_dali_lacks(data)
         if audio_only or lacking is not None:
             data, field, source = transcode_flac(data), "flac", lacking or "audio in a video file"
-    return field, data, check_media(data, field, video_decoder, transcoded_from=source)
+    return field, data, check_media(data, field, video_decoder, transcoded_from=source, reindexed=reindexed)
 
 
 def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECODER,
-                transcoded_from: str | None = None) -> bytes:
+                transcoded_from: str | None = None, reindexed: bool = False) -> bytes:
     """The ``probe.json`` bytes of a video file of a codec ``video_decoder`` keeps (``auto``: every codec a Loader
     decodes; ``cpu``: DALI's CPU decoder's; :data:`DECODER_CODECS`) whose first frame is a keyframe (one cut from a longer
     stream is not decodable from its start), or of an audio file DALI's audio decoder reads; MediaCheckError (its
-    message: why, with the ways out) otherwise. ``transcoded_from``: recorded in the probe (the original's codec)."""
+    message: why, with the ways out) otherwise. ``transcoded_from``: recorded in the probe (the original's codec);
+    ``reindexed``: recorded as ``"reindexed": true`` (an AVI convert wrote again with its index, :func:`reindex_avi`)."""
     info = probe(data, field)
     if transcoded_from is not None:
         info["transcoded_from"] = transcoded_from
+    if reindexed:
+        info["reindexed"] = True
     codec = info["codec"]
     if info["kind"] == "video" and codec not in DECODER_CODECS[video_decoder]:
         raise MediaCheckError(_video_refusal(codec, video_decoder))
@@ -494,7 +692,7 @@ def check_media(data: bytes, field: str, video_decoder: str = DEFAULT_VIDEO_DECO
                               "be decoded; re-encode it (e.g. ffmpeg -i IN -c:v libvpx-vp9 -crf 30 -b:v 0 OUT.webm)")
     if info["kind"] == "audio" and codec in CPU_AUDIO_REFUSED:
         raise MediaCheckError(f"audio codec {codec} is not read by DALI's audio decoder: {_AUDIO_WAYS_OUT}")
-    less = _dali_reads_less(data) if info["kind"] == "audio" else None
+    less = _dali_reads_less(data, info["samples"]) if info["kind"] == "audio" else None
     if less is not None:
         raise MediaCheckError(f"{less} of its {count(info['samples'], 'sample')}: {_AUDIO_WAYS_OUT}")
     return json.dumps(info, sort_keys=True, separators=(",", ":")).encode()

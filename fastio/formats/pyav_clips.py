@@ -12,11 +12,9 @@ decodes and converts).
 
 from __future__ import annotations
 
-import io
-
 import numpy as np
 
-from fastio.formats.media import MediaCheckError, whole_frames
+from fastio.formats.media import MediaCheckError, open_media, video_streams, whole_frames
 
 __all__ = ["CPU_FALLBACKS", "clip_frames", "decode_clip", "undecodable_frame"]
 
@@ -42,8 +40,8 @@ def decode_clip(data: bytes, first: int, frames: int, stride: int) -> np.ndarray
     import av
 
     try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.video[0]
+        with open_media(data) as container:
+            stream = video_streams(container)[0]
             stream.codec_context.thread_count = 1  # parallel across clips, not inside one
             size = (stream.height, stream.width)  # the probe's
             packets = [_kept(p) for p in container.demux(stream) if p.size and p.pts is not None]
@@ -77,8 +75,8 @@ def undecodable_frame(data: bytes) -> str | None:
 
     decoded = 0
     try:
-        with av.open(io.BytesIO(data)) as container:
-            stream = container.streams.video[0]
+        with open_media(data) as container:
+            stream = video_streams(container)[0]
             stream.codec_context.thread_count = 1
             held = []  # corrupt packets, decoded once a whole one follows: a partial last frame is not a frame
             for packet in container.demux(stream):

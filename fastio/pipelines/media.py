@@ -26,6 +26,7 @@ from fastio.formats.images import is_image_field
 from fastio.formats.media import (
     CPU_VIDEO_CODECS,
     PROBE_FIELD,
+    avi_without_index,
     is_audio_field,
     is_avi,
     is_media_field,
@@ -142,13 +143,15 @@ def _refuse_samples_without(ds: Dataset, found: Sequence[str], test, what: str, 
                            "fastio.Mixture)")
 
 
-class _ProbeReader:
-    """Reads batches with ``inner`` (the read set's reader) and puts each sample's probe from its dataset's probe
-    table (``tables[source]``, None for a dataset whose samples hold a ``probe.json`` field) into the batch's
-    ``probe.json`` column, in the thread that finished the read; ``where(i)`` names read-set id ``i``."""
+class _BatchReader:
+    """Reads batches with ``inner`` (the read set's reader) and passes each through :meth:`_filled` in the thread
+    that finished the read (what it raises is the batch's error); ``where(i)`` names read-set id ``i``."""
 
-    def __init__(self, inner: Any, tables: list[ProbeTable | None], split, where):
-        self.inner, self.tables, self.split, self.where = inner, tables, split, where
+    def __init__(self, inner: Any, where):
+        self.inner, self.where = inner, where
+
+    def _filled(self, batch: ReadBatch) -> ReadBatch:
+        raise NotImplementedError
 
     def submit(self, ids: np.ndarray) -> Future:
         out: Future = Future()
@@ -164,6 +167,21 @@ class _ProbeReader:
         self.inner.submit(ids).add_done_callback(fill)
         return out
 
+    def read_ahead_shards(self, batches) -> None:
+        self.inner.read_ahead_shards(batches)
+
+    def close(self) -> None:
+        """Nothing of its own (the inner reader is the read set's, closed with it)."""
+
+
+class _ProbeReader(_BatchReader):
+    """Puts each sample's probe from its dataset's probe table (``tables[source]``, None for a dataset whose samples
+    hold a ``probe.json`` field) into the batch's ``probe.json`` column."""
+
+    def __init__(self, inner: Any, tables: list[ProbeTable | None], split, where):
+        super().__init__(inner, where)
+        self.tables, self.split = tables, split
+
     def _filled(self, batch: ReadBatch) -> ReadBatch:
         n = len(batch.indices)
         column = batch.fields.setdefault(PROBE_FIELD, [np.empty(0, np.uint8)] * n)
@@ -178,11 +196,21 @@ class _ProbeReader:
                 present[j] = True
         return batch
 
-    def read_ahead_shards(self, batches) -> None:
-        self.inner.read_ahead_shards(batches)
 
-    def close(self) -> None:
-        """Nothing of its own (the inner reader is the read set's, closed with it)."""
+class _UnindexedAviRefusal(_BatchReader):
+    """Where PyAV is not installed: refuses a batch holding an AVI without an index (:func:`avi_without_index`: a
+    dataset converted before convert wrote such files again with their index, or a user's shards fastio index
+    read), naming its shard, key and field. Without PyAV nothing remuxes it (:func:`trim_video`), and DALI's CPU
+    decoder, handed it as it is, crashed the process (a segfault)."""
+
+    def _filled(self, batch: ReadBatch) -> ReadBatch:
+        for j, field in enumerate(batch.image_field):
+            if is_video_field(field) and avi_without_index(batch.image[j]):
+                raise DatasetError(f"{self.where(int(batch.indices[j]))}: field {field!r} is an AVI without an index "
+                                   "(written to a pipe, or cut off), which DALI's video decoder crashes on unless "
+                                   f"PyAV remuxes it, and PyAV is not installed: {install_hint('media')}, or convert "
+                                   "the file again (fastio convert stores such an AVI with its index)")
+        return batch
 
 
 @dataclass(frozen=True)
@@ -430,9 +458,12 @@ class VideoClips(_Clips):
     def source(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement) -> Source[Pipeline]:
         """The clip kinds' source, of these clips as ``place.device`` decodes them (:meth:`for_device`: the
         ``Source``'s pipeline); with ``cpu_fallback``, a :class:`FallbackReader` around its reader, whose threads
-        decode the clips of the videos DALI's CPU decoder does not read."""
+        decode the clips of the videos DALI's CPU decoder does not read; without PyAV, an
+        :class:`_UnindexedAviRefusal` around it."""
         clips = self.for_device(read_set, place.device)
         source = _Clips.source(clips, read_set, sampling, place)
+        if not _have_pyav():
+            return dataclasses.replace(source, reader=_UnindexedAviRefusal(source.reader, read_set.where))
         if clips.cpu_fallback is None:
             return source
         return dataclasses.replace(source, reader=FallbackReader(
