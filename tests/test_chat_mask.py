@@ -110,8 +110,9 @@ def test_bad_messages_and_template_failures_name_the_line_and_field(chat_files):
     encoder, _ = _encoder(tok, chat_config(root / "bad.json"))
     cases = [
         ([{"content": "hi"}], "c.jsonl:1: messages[0] has no 'role'"),
-        ([{"from": "human", "value": "hi"}],
-         "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}) (ShareGPT's"),
+        ([{"from": None, "value": "hi"}],
+         "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}, or ShareGPT's "
+         "{\"from\": ..., \"value\": ...})"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "c.jsonl:1: messages[1] has no 'content'"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant", "reasoning_content": 5}],
          "c.jsonl:1: messages[1].reasoning_content is int, not text"),

@@ -1,7 +1,8 @@
 """Conversations into token ids and loss masks, a batch at a time (a chat conversion's worker step,
 ``fastio convert --chat-template``).
 
-Each conversation (a list of ``{"role": ..., "content": ...}`` messages) is checked, rendered with the chat
+Each conversation (a list of ``{"role": ..., "content": ...}`` messages, or ShareGPT's ``{"from": ..., "value":
+...}``, entered as the former: :func:`entered`) is checked, rendered with the chat
 template (:func:`fastio.formats.chat_template.render`: as transformers renders it), the rendered texts tokenized
 together (no special tokens added: the template writes them; a special token's string in a message is that
 special token, as in transformers: by :class:`~fastio.formats.byte_level_bpe.ByteLevelBPE` where the tokenizer is
@@ -18,7 +19,8 @@ does (counted as dropped). A reply is the model's: a message the template render
 block (the run ending with it has one more block than the run without it) of a role that is not a prompt's (one of
 :data:`PROMPT_ROLES`: a template that trains the user's turns too never makes a user message the last one kept),
 so ShareGPT's ``gpt`` under a template that trains it is one; under a template without blocks
-(``train_on="all"``), one of :data:`REPLY_ROLES`.
+(``train_on="all"``), one of :data:`REPLY_ROLES`. A role is read whatever its case (:func:`role_of`, the one rule:
+``User`` is a prompt, ``Assistant`` a reply); the template renders it as the data spells it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from fastio.formats.assistant_mask import assistant_mask
 from fastio.formats.byte_level_bpe import ByteLevelBPE
 from fastio.formats.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, render
 
-__all__ = ["OVERLONG", "PROMPT_ROLES", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
+__all__ = ["OVERLONG", "PROMPT_ROLES", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "entered",
+           "refuse_unencodable", "role_of"]
 
 TRAIN_ON = ("generation", "all")
 """What a chat conversion trains on: the template's ``{% generation %}`` blocks, or every token."""
@@ -46,6 +49,31 @@ one): OpenAI's, ShareGPT's and Gemma's."""
 PROMPT_ROLES = ("user", "human", "system", "developer", "tool", "ipython", "function", "observation")
 """The roles of what the model is given, never a reply ``overlong="truncate"`` cuts after, even where the template
 trains them: OpenAI's, ShareGPT's, Llama's tool output (``ipython``) and LLaMA-Factory's (``observation``)."""
+SHAREGPT_KEYS = {"from": "role", "value": "content"}
+"""ShareGPT's message keys and the ones a chat template reads in their place (:func:`entered`)."""
+
+
+def role_of(message: dict) -> str:
+    """The one rule for which role a message is (a prompt's, :data:`PROMPT_ROLES`, or a reply's,
+    :data:`REPLY_ROLES`): its ``role`` whatever its case and surrounding spaces (``User``, ``GPT``); the template
+    still renders the role as the data spells it."""
+    return message["role"].strip().casefold()
+
+
+def entered(messages: Any, where: str, field: str) -> list[dict]:
+    """``messages`` checked (:func:`check_messages`) as the template sees them: a ShareGPT message
+    (``{"from": ..., "value": ...}``, no ``role``) as ``{"role": ..., "content": ...}``, its values and any other
+    key unchanged; every other message as it is."""
+    if isinstance(messages, list):
+        messages = [_renamed(m) if isinstance(m, dict) and "role" not in m and "from" in m else m for m in messages]
+    check_messages(messages, where, field)
+    return messages
+
+
+def _renamed(message: dict) -> dict:
+    """A ShareGPT message with :data:`SHAREGPT_KEYS` renamed (a key the message has under both names kept)."""
+    return {SHAREGPT_KEYS[k] if k in SHAREGPT_KEYS and SHAREGPT_KEYS[k] not in message else k: v
+            for k, v in message.items()}
 
 
 def check_messages(messages: Any, where: str, field: str) -> None:
@@ -68,8 +96,8 @@ def _check_message(m: Any, at: str) -> None:
     if not isinstance(m, dict):
         raise ConvertError(f"{at} is {type(m).__name__}, not a message object")
     if m.get("role") is None:
-        sharegpt = " (ShareGPT's 'from'/'value' keys: rename them 'role'/'content')" if "from" in m else ""
-        raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...})' + sharegpt)
+        raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...}, or ShareGPT\'s '
+                           '{"from": ..., "value": ...})')
     if not isinstance(m["role"], str):
         raise ConvertError(f"{at}.role is {type(m['role']).__name__}, not text")
     content, calls, reasoning = m.get("content"), m.get("tool_calls"), _reasoning(m)
@@ -127,7 +155,10 @@ class ChatEncoder:
 
     def rendered(self, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
         """One conversation's text and generation spans (ConvertError naming ``where`` and the template)."""
-        check_messages(messages, where, self.field)
+        return self._rendered(entered(messages, where, self.field), where)
+
+    def _rendered(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """:meth:`rendered` of messages already :func:`entered`."""
         try:
             return render(self.template, messages)
         except ChatTemplateError as err:
@@ -138,7 +169,8 @@ class ChatEncoder:
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
         """``(tokens per conversation, all ids, all mask bits, {"dropped": n, "truncated": n})`` of a batch, in
         order (a dropped conversation left out)."""
-        texts, spans = zip(*(self.rendered(m, w) for w, m in zip(wheres, conversations)))
+        conversations = [entered(m, w, self.field) for w, m in zip(wheres, conversations)]
+        texts, spans = zip(*(self._rendered(m, w) for w, m in zip(wheres, conversations)))
         try:
             encodings = self._tokenized(list(texts))
         except TypeError:  # tokenizers' refusal of a str that is not text
@@ -189,7 +221,7 @@ class ChatEncoder:
         def prefix(k: int) -> tuple[str, list[tuple[int, int]]] | None:
             if k not in renders:
                 try:
-                    renders[k] = self.rendered(messages[:k], where)
+                    renders[k] = self._rendered(messages[:k], where)
                 except ConvertError:
                     renders[k] = None
             return renders[k]
@@ -212,5 +244,5 @@ class ChatEncoder:
         (``train_on="all"``), or where the run without it cannot be rendered to compare, a message of a role in
         :data:`REPLY_ROLES`."""
         if self.template.has_generation and before is not None:
-            return len(run[1]) > len(before[1]) and last.get("role") not in PROMPT_ROLES
-        return last.get("role") in REPLY_ROLES
+            return len(run[1]) > len(before[1]) and role_of(last) not in PROMPT_ROLES
+        return role_of(last) in REPLY_ROLES
