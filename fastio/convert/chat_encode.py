@@ -49,8 +49,6 @@ one): OpenAI's, ShareGPT's and Gemma's."""
 PROMPT_ROLES = ("user", "human", "system", "developer", "tool", "ipython", "function", "observation")
 """The roles of what the model is given, never a reply ``overlong="truncate"`` cuts after, even where the template
 trains them: OpenAI's, ShareGPT's, Llama's tool output (``ipython``) and LLaMA-Factory's (``observation``)."""
-SHAREGPT_KEYS = {"from": "role", "value": "content"}
-"""ShareGPT's message keys and the ones a chat template reads in their place (:func:`entered`)."""
 
 
 def role_of(message: dict) -> str:
@@ -64,16 +62,25 @@ def entered(messages: Any, where: str, field: str) -> list[dict]:
     """``messages`` checked (:func:`check_messages`) as the template sees them: a ShareGPT message
     (``{"from": ..., "value": ...}``, no ``role``) as ``{"role": ..., "content": ...}``, its values and any other
     key unchanged; every other message as it is."""
-    if isinstance(messages, list):
-        messages = [_renamed(m) if isinstance(m, dict) and "role" not in m and "from" in m else m for m in messages]
     check_messages(messages, where, field)
-    return messages
+    return [_renamed(m) for m in messages]
 
 
-def _renamed(message: dict) -> dict:
-    """A ShareGPT message with :data:`SHAREGPT_KEYS` renamed (a key the message has under both names kept)."""
-    return {SHAREGPT_KEYS[k] if k in SHAREGPT_KEYS and SHAREGPT_KEYS[k] not in message else k: v
-            for k, v in message.items()}
+def _keys(m: dict) -> tuple[str, str]:
+    """The keys of a message's role and content as the data spells them: ShareGPT's ``from`` (a message without
+    ``role``) and ``value`` (without ``content``), else ``role`` and ``content``."""
+    if "role" in m or "from" not in m:
+        return "role", "content"
+    return "from", "content" if "content" in m else "value"
+
+
+def _renamed(m: dict) -> dict:
+    """A message with its :func:`_keys` renamed ``role`` and ``content``, its values and other keys unchanged."""
+    keys = _keys(m)
+    if keys == ("role", "content"):
+        return m
+    names = dict(zip(keys, ("role", "content")))
+    return {names.get(k, k): v for k, v in m.items()}
 
 
 def check_messages(messages: Any, where: str, field: str) -> None:
@@ -92,23 +99,25 @@ def check_messages(messages: Any, where: str, field: str) -> None:
 
 
 def _check_message(m: Any, at: str) -> None:
-    """ConvertError starting with ``at`` unless ``m`` is one message (see :func:`check_messages`)."""
+    """ConvertError starting with ``at`` unless ``m`` is one message (see :func:`check_messages`), naming its keys
+    as the data spells them (:func:`_keys`)."""
     if not isinstance(m, dict):
         raise ConvertError(f"{at} is {type(m).__name__}, not a message object")
-    if m.get("role") is None:
-        raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...}, or ShareGPT\'s '
+    role, text = _keys(m)
+    if m.get(role) is None:
+        raise ConvertError(f"{at} has no {role!r} (a message is " '{"role": ..., "content": ...}, or ShareGPT\'s '
                            '{"from": ..., "value": ...})')
-    if not isinstance(m["role"], str):
-        raise ConvertError(f"{at}.role is {type(m['role']).__name__}, not text")
-    content, calls, reasoning = m.get("content"), m.get("tool_calls"), _reasoning(m)
+    if not isinstance(m[role], str):
+        raise ConvertError(f"{at}.{role} is {type(m[role]).__name__}, not text")
+    content, calls, reasoning = m.get(text), m.get("tool_calls"), _reasoning(m)
     if content is None and calls is None and reasoning is None:
-        raise ConvertError(f"{at} has no 'content' and no 'tool_calls' (a message is "
+        raise ConvertError(f"{at} has no {text!r} and no 'tool_calls' (a message is "
                            '{"role": ..., "content": ...}, or an assistant\'s {"role": "assistant", "tool_calls": '
                            '[...]} or {"role": "assistant", "reasoning_content": ...})')
     if content is None and calls is None and not isinstance(m[reasoning], str):
         raise ConvertError(f"{at}.{reasoning} is {type(m[reasoning]).__name__}, not text")
     if content is not None and not isinstance(content, (str, list)):
-        raise ConvertError(f"{at}.content is {type(content).__name__}, not text or a list of content parts")
+        raise ConvertError(f"{at}.{text} is {type(content).__name__}, not text or a list of content parts")
     if calls is not None and not isinstance(calls, list):
         raise ConvertError(f"{at}.tool_calls is {type(calls).__name__}, not a list of tool calls")
 
