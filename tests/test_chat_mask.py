@@ -176,6 +176,23 @@ def test_template_files_jinja_and_config(chat_files, tmp_path):
         load_chat_template(tmp_path / "list.json")
 
 
+def test_named_templates_without_a_default_are_named_not_called_no_template(tmp_path):
+    """Found by review: a tokenizer_config.json holding named templates (a list, as Hugging Face saves a model's
+    'tool_use' and 'rag' ones) but none named 'default' was refused as 'holds no chat_template string', though it
+    holds two. transformers refuses it too (which one is ambiguous); the line now names them and the way out."""
+    import json
+
+    (tmp_path / "named.json").write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": CHATML},
+                                                                       {"name": "rag", "template": CHATML}]}))
+    with pytest.raises(ChatTemplateError) as err:
+        load_chat_template(tmp_path / "named.json")
+    assert str(err.value) == (f"{tmp_path / 'named.json'}: holds named chat templates ('tool_use', 'rag') but none "
+                              "named 'default' (write the one to train with to a .jinja file and pass that)"), err.value
+    (tmp_path / "default.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "x"},
+                                                                         {"name": "default", "template": CHATML}]}))
+    assert load_chat_template(tmp_path / "default.json").text == CHATML
+
+
 def test_a_chat_template_jinja_beside_the_config_is_the_template_as_in_transformers(chat_files, tmp_path):
     """transformers (>= 4.43) saves a tokenizer's template as chat_template.jinja beside tokenizer_config.json (the
     config then holds none) and, loading, gives that file priority over a chat_template the config still holds.
