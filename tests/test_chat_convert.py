@@ -355,6 +355,28 @@ def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path
         chat_dataset(tmp_path, n=20, max_tokens=40)
 
 
+def test_parquet_of_openai_and_sharegpt_messages_converts_as_the_jsonl_of_each(tmp_path):
+    """Found by review: a Parquet column of both kinds of message (two datasets concatenated: its struct has
+    'role', 'content', 'from' and 'value', each row null in the other's) was refused: a ShareGPT row's 'role' is
+    there, null. A null key is absent, as a JSONL line would spell it: each row converts as its own JSONL does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = conversations(20, 0)
+    sharegpt = [[{"from": m["role"], "value": m["content"]} for m in c] for c in chats[10:]]
+    table = pa.table({"messages": [*chats[:10], *sharegpt]})
+    assert {f.name for f in table.schema.field("messages").type.value_type} == {"role", "content", "from", "value"}
+    pq.write_table(table, tmp_path / "mixed.parquet")
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    config = chat_config(tmp_path / "tokenizer_config.json")
+    write_chats(tmp_path / "chats.jsonl", [*chats[:10], *sharegpt])
+    for name in ("mixed.parquet", "chats.jsonl"):
+        convert_tokens(TokenConvertConfig(tmp_path / name, tmp_path / name.split(".")[0], tmp_path / "tokenizer.json",
+                                          chat_template=config, workers=1))
+    assert stored_conversations(tmp_path / "mixed") == stored_conversations(tmp_path / "chats")
+    assert len(stored_conversations(tmp_path / "mixed")) == 20
+
+
 def test_parquet_conversations_convert_as_jsonl_and_a_txt_file_is_refused(tmp_path, capsys):
     import filecmp
 

@@ -111,7 +111,7 @@ def test_bad_messages_and_template_failures_name_the_line_and_field(chat_files):
     cases = [
         ([{"content": "hi"}], "c.jsonl:1: messages[0] has no 'role'"),
         ([{"from": None, "value": "hi"}],
-         "c.jsonl:1: messages[0] has no 'from' (a message is {\"role\": ..., \"content\": ...}, or ShareGPT's "
+         "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}, or ShareGPT's "
          "{\"from\": ..., \"value\": ...})"),
         ([{"from": "human", "value": 5}], "c.jsonl:1: messages[0].value is int, not text or a list of content parts"),
         ([{"from": "human"}], "c.jsonl:1: messages[0] has no 'value' and no 'tool_calls'"),

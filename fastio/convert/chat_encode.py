@@ -67,20 +67,22 @@ def entered(messages: Any, where: str, field: str) -> list[dict]:
 
 
 def _keys(m: dict) -> tuple[str, str]:
-    """The keys of a message's role and content as the data spells them: ShareGPT's ``from`` (a message without
-    ``role``) and ``value`` (without ``content``), else ``role`` and ``content``."""
-    if "role" in m or "from" not in m:
+    """The keys of a message's role and content as the data spells them: ShareGPT's ``from`` (a message without a
+    ``role``) and ``value`` (without a ``content``), else ``role`` and ``content``; a key whose value is null is
+    absent (a Parquet row of a column that holds both kinds of message has the other kind's keys, null)."""
+    if m.get("role") is not None or m.get("from") is None:
         return "role", "content"
-    return "from", "content" if "content" in m else "value"
+    return "from", "content" if m.get("content") is not None else "value"
 
 
 def _renamed(m: dict) -> dict:
-    """A message with its :func:`_keys` renamed ``role`` and ``content``, its values and other keys unchanged."""
+    """A message with its :func:`_keys` renamed ``role`` and ``content`` (in place of those keys where null), its
+    values and other keys unchanged."""
     keys = _keys(m)
     if keys == ("role", "content"):
         return m
     names = dict(zip(keys, ("role", "content")))
-    return {names.get(k, k): v for k, v in m.items()}
+    return {names.get(k, k): v for k, v in m.items() if k in names or k not in ("role", "content")}
 
 
 def check_messages(messages: Any, where: str, field: str) -> None:
