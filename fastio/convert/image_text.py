@@ -327,9 +327,8 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
     asked for by :func:`_ask_sizes`."""
     paths = _image_paths(row, where, options.image_field)
     if len(paths) != placeholders:
-        templates = placeholders - _written(row.get(options.messages_field), options.image_token)
-        by_template = (f" ({templates} of them written by the chat template {options.chat_template}, not in the "
-                       "messages' text)") if templates > 0 else ""
+        by_template = _by_template(placeholders - _written(row.get(options.messages_field), options.image_token),
+                                   options.chat_template)
         raise ConvertError(f"{where}: {count(len(paths), 'image')} in {options.image_field!r} but {placeholders} "
                            f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}"
                            f"{by_template}")
@@ -358,6 +357,16 @@ def _image_paths(row: dict, where: str, field: str) -> list[str]:
         if not isinstance(path, str) or not path:
             raise ConvertError(f"{where}: {field}[{n}] is {_what(path)}, not an image path")
     return paths
+
+
+def _by_template(more: int, template: Path) -> str:
+    """Why the rendered placeholders outnumber the messages' own by ``more`` (the template wrote them) or fall short
+    of them (the template left out a message holding them), in words; "" where they agree."""
+    if more > 0:
+        return f" ({more} of them written by the chat template {template}, not in the messages' text)"
+    if more < 0:
+        return f" ({-more} in the messages' text left out by the chat template {template})"
+    return ""
 
 
 def _written(value: Any, token: str) -> int:
