@@ -51,6 +51,7 @@ from fastio.convert.run import ConvertConfig, ConvertResult, convert
 from fastio.convert.token_convert import eos_token_id, load_tokenizer, tokenizer_sha256, vocab_size, with_specials
 from fastio.convert.token_convert import refuse_untrained as refuse_chat_untrained
 from fastio.converters.base import Entry, FileRef, ScanResult, Skip, UrlRef, image_field_for_suffix, resolve_inside
+from fastio.converters.documents import no_field
 from fastio.converters.table import read_rows
 from fastio.dataset.manifest import ImageTextInfo
 from fastio.errors import ConvertError, StorageError
@@ -252,7 +253,10 @@ def _encoded(rows: list[tuple[int, dict]], wheres: list[str], root: Path | str, 
     """Each of ``rows``' fields: its images (:func:`_images`), ``tokens.i32`` and ``mask.bits``, the rows encoded
     in one batch, or the Skip of a line whose image file is missing (:class:`_Missing`); ConvertError naming a
     refused line."""
-    lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
+    missing = next(((where, row) for (_, row), where in zip(rows, wheres) if options.messages_field not in row), None)
+    if missing is not None:
+        raise no_field(*missing, options.messages_field, "messages_field")
+    lengths, ids, mask, _ = coder.encoder.encode(wheres, [row[options.messages_field] for _, row in rows])
     ends = np.cumsum(lengths)
     lines = []
     for i, ((_, row), where) in enumerate(zip(rows, wheres)):
