@@ -14,7 +14,8 @@ messages are checked by :mod:`fastio.convert.chat_encode`), and a ``.txt`` file 
 
 A null text (a JSONL ``null``, a Parquet null) is an empty document. Refusals are one
 :class:`~fastio.errors.ConvertError` naming the file, line or row and the field: a line that is not a JSON object, a
-missing field (named with its option: ``text_field``, or a chat conversion's ``messages_field``), a non-text one
+missing field (named with its option: ``text_field``, or a chat conversion's ``messages_field``, and the line's
+fields: :func:`no_field`), a non-text one
 (its value named in JSON's words: ``a number``, ``an object``, ...), text that is not UTF-8, a file of another kind
 in SOURCE (:func:`not_a_document_file`: a ``.json`` or a compressed file named with the way on). Never tokenizes,
 writes shards or knows shard sizes.
@@ -30,7 +31,7 @@ from pathlib import Path
 from fastio.converters.base import walk_files
 from fastio.errors import ConvertError
 
-__all__ = ["DOCUMENT_SUFFIXES", "document_files", "file_documents", "iter_documents", "not_a_document_file"]
+__all__ = ["DOCUMENT_SUFFIXES", "document_files", "file_documents", "iter_documents", "no_field", "not_a_document_file"]
 
 DOCUMENT_SUFFIXES = {".jsonl": "jsonl", ".parquet": "parquet", ".txt": "text"}
 """The file kinds a token conversion reads, by suffix (lowercased)."""
@@ -149,13 +150,20 @@ def _jsonl(path: Path, field: str, name: str, span: tuple[int, int | None], mess
             if not isinstance(row, dict):
                 raise ConvertError(f"{where}: {_json_kind(row)}, not a JSON object")
             if field not in row:
-                raise ConvertError(f"{where}: has no field {field!r} ({_field_option(messages)}={field!r})")
+                raise no_field(where, row, field, _field_option(messages))
             text = row[field]
             if not messages and text is None:
                 text = ""  # a null is an empty document, as a Parquet null is
             if not messages and not isinstance(text, str):
                 raise ConvertError(f"{where}: field {field!r} is {_json_kind(text)}, not text")
             yield where, text
+
+
+def no_field(where: str, row: dict, field: str, option: str) -> ConvertError:
+    """The refusal of a JSON line ``row`` (at ``where``) without ``field``: naming the option that names the field
+    and the fields the line has (a ShareGPT or LLaVA line's ``conversations``; the first 10)."""
+    names = ", ".join(map(repr, list(row)[:10])) + (", ..." if len(row) > 10 else "") or "none"
+    return ConvertError(f"{where}: has no field {field!r} ({option}={field!r}; the line's fields: {names})")
 
 
 def _json_reason(err: ValueError) -> str:

@@ -64,7 +64,14 @@ def test_a_surrogate_pair_escape_is_text_and_converts(tmp_path, files):
                                         # json's own words counted the line's newline as a line 2: 'line 2 column 1'
                                         ('{"messages": [', "not a JSON object (Expecting value at the end of the line)"),
                                         ('{"messages": [}]}', "not a JSON object (Expecting value at column 15)"),
-                                        ('{"text": "hi"}', "has no field 'messages' (--messages-field messages)")])
+                                        ('{"text": "hi"}', "has no field 'messages' (--messages-field messages; "
+                                                           "the line's fields: 'text')"),
+                                        # found by review: a ShareGPT line's field was not named
+                                        ('{"id": 1, "conversations": []}', "has no field 'messages' (--messages-field "
+                                                                           "messages; the line's fields: 'id', "
+                                                                           "'conversations')"),
+                                        ("{}", "has no field 'messages' (--messages-field messages; the line's fields: "
+                                               "none)")])
 def test_a_line_that_is_not_a_conversation_object_is_named_with_the_chat_flag(tmp_path, capsys, files, line, said):
     _source(tmp_path / "c.jsonl", line)
     code, _, err = _cli(tmp_path, capsys, files, "--chat-template", str(files[1]))

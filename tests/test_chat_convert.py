@@ -270,6 +270,51 @@ def test_truncate_keeps_the_first_turns_of_conversations_in_sharegpt_roles(tmp_p
     assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
 
 
+CAPITALISED = GPT_ROLES.replace("'gpt'", "'Assistant'")
+"""ChatML for capitalised roles ('System', 'User', 'Assistant'): 'Assistant' replies trained."""
+TRAINS_ALL_TURNS = GPT_ROLES.replace("{% if m.role == 'gpt' %}", "{% if true %}")
+"""ChatML that trains every turn, whatever its role (the prompts' too)."""
+
+
+@pytest.mark.parametrize(("names", "keys", "template", "train_on"), [
+    ({"system": "System", "user": "User", "assistant": "Assistant"}, ("role", "content"),
+     CAPITALISED.replace("{% generation %}", "").replace("{% endgeneration %}", ""), "all"),
+    ({"system": "System", "user": "User", "assistant": "Assistant"}, ("role", "content"), TRAINS_ALL_TURNS,
+     "generation"),
+    ({"system": "SYSTEM", "user": "Human", "assistant": "GPT"}, ("role", "content"), TRAINS_ALL_TURNS, "generation"),
+    ({"system": "system", "user": "human", "assistant": "gpt"}, ("from", "value"), GPT_ROLES, "generation"),
+    ({"system": "system", "user": "human", "assistant": "gpt"}, ("from", "value"), TRAINS_ALL_TURNS, "generation"),
+], ids=["capitalised-no-blocks", "capitalised-all-turns", "upper-sharegpt-all-turns", "sharegpt-keys",
+        "sharegpt-keys-all-turns"])
+def test_truncate_reads_roles_whatever_their_case_and_sharegpt_keys(tmp_path, names, keys, template, train_on):
+    """Found by review: overlong='truncate' compared roles case-sensitively, so conversations in 'User'/'Assistant'
+    were dropped (no 'assistant' reply to cut after, under a template without blocks) or cut after a 'User' prompt
+    (under a template that trains every turn), and ShareGPT's own 'from'/'value' messages were refused. A role is
+    now read, in one place, whatever its case, and a 'from'/'value' message enters as the 'role'/'content' message
+    the template sees; what the template renders is unchanged (the role as the data spells it)."""
+    pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
+    limit = 80
+    chats = [[{"role": names[m["role"]], "content": m["content"]} for m in c] for c in conversations(60, 0)]
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    config = chat_config(tmp_path / "tokenizer_config.json", template)
+    write_chats(tmp_path / "chats.jsonl", [[dict(zip(keys, m.values())) for m in c] for c in chats])
+    result = convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "chat", tmp_path / "tokenizer.json",
+                                               chat_template=config, workers=1, max_tokens=limit,
+                                               overlong="truncate", train_on=train_on))
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
+    want, dropped, truncated = [], 0, 0
+    for chat in chats:
+        full = hf_ids_and_mask(hf, template, chat)
+        cut = full if len(full[0]) <= limit else _first_turns_that_fit(hf, chat, limit, template, names["assistant"])
+        dropped, truncated = dropped + (cut is None), truncated + (cut is not None and cut is not full)
+        if cut is not None:
+            want.append(cut if train_on == "generation" else (cut[0], [1] * len(cut[0])))
+    assert truncated > 0 and result.documents == len(want)
+    assert stored_conversations(tmp_path / "chat") == want
+    source = load_manifest(tmp_path / "chat").converted_from
+    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+
+
 ALL_TURNS = CHATML.replace("{% if message['role'] == 'assistant' %}", "{% if true %}")
 """ChatML that trains every turn: the user's and the system's inside a {% generation %} block too."""
 
@@ -308,6 +353,28 @@ def test_a_conversation_over_max_tokens_is_refused_by_default_naming_it(tmp_path
     with pytest.raises(ConvertError, match=r"chats.jsonl:\d+: field 'messages': the conversation has \d+ tokens, more "
                                            r"than max_tokens=40 \(overlong='drop' or overlong='truncate'"):
         chat_dataset(tmp_path, n=20, max_tokens=40)
+
+
+def test_parquet_of_openai_and_sharegpt_messages_converts_as_the_jsonl_of_each(tmp_path):
+    """Found by review: a Parquet column of both kinds of message (two datasets concatenated: its struct has
+    'role', 'content', 'from' and 'value', each row null in the other's) was refused: a ShareGPT row's 'role' is
+    there, null. A null key is absent, as a JSONL line would spell it: each row converts as its own JSONL does."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    chats = conversations(20, 0)
+    sharegpt = [[{"from": m["role"], "value": m["content"]} for m in c] for c in chats[10:]]
+    table = pa.table({"messages": [*chats[:10], *sharegpt]})
+    assert {f.name for f in table.schema.field("messages").type.value_type} == {"role", "content", "from", "value"}
+    pq.write_table(table, tmp_path / "mixed.parquet")
+    chat_tokenizer(tmp_path / "tokenizer.json")
+    config = chat_config(tmp_path / "tokenizer_config.json")
+    write_chats(tmp_path / "chats.jsonl", [*chats[:10], *sharegpt])
+    for name in ("mixed.parquet", "chats.jsonl"):
+        convert_tokens(TokenConvertConfig(tmp_path / name, tmp_path / name.split(".")[0], tmp_path / "tokenizer.json",
+                                          chat_template=config, workers=1))
+    assert stored_conversations(tmp_path / "mixed") == stored_conversations(tmp_path / "chats")
+    assert len(stored_conversations(tmp_path / "mixed")) == 20
 
 
 def test_parquet_conversations_convert_as_jsonl_and_a_txt_file_is_refused(tmp_path, capsys):

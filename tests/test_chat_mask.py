@@ -110,8 +110,12 @@ def test_bad_messages_and_template_failures_name_the_line_and_field(chat_files):
     encoder, _ = _encoder(tok, chat_config(root / "bad.json"))
     cases = [
         ([{"content": "hi"}], "c.jsonl:1: messages[0] has no 'role'"),
-        ([{"from": "human", "value": "hi"}],
-         "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}) (ShareGPT's"),
+        ([{"from": None, "value": "hi"}],
+         "c.jsonl:1: messages[0] has no 'role' (a message is {\"role\": ..., \"content\": ...}, or ShareGPT's "
+         "{\"from\": ..., \"value\": ...})"),
+        ([{"from": "human", "value": 5}], "c.jsonl:1: messages[0].value is int, not text or a list of content parts"),
+        ([{"from": "human"}], "c.jsonl:1: messages[0] has no 'value' and no 'tool_calls'"),
+        ([{"from": ["human"], "value": "hi"}], "c.jsonl:1: messages[0].from is list, not text"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant"}], "c.jsonl:1: messages[1] has no 'content'"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant", "reasoning_content": 5}],
          "c.jsonl:1: messages[1].reasoning_content is int, not text"),
@@ -170,6 +174,23 @@ def test_template_files_jinja_and_config(chat_files, tmp_path):
     (tmp_path / "list.json").write_text("[1, 2]")  # was a raw AttributeError ('list' object has no attribute 'get')
     with pytest.raises(ChatTemplateError, match="list.json: a JSON list, not an object"):
         load_chat_template(tmp_path / "list.json")
+
+
+def test_named_templates_without_a_default_are_named_not_called_no_template(tmp_path):
+    """Found by review: a tokenizer_config.json holding named templates (a list, as Hugging Face saves a model's
+    'tool_use' and 'rag' ones) but none named 'default' was refused as 'holds no chat_template string', though it
+    holds two. transformers refuses it too (which one is ambiguous); the line now names them and the way out."""
+    import json
+
+    (tmp_path / "named.json").write_text(json.dumps({"chat_template": [{"name": "tool_use", "template": CHATML},
+                                                                       {"name": "rag", "template": CHATML}]}))
+    with pytest.raises(ChatTemplateError) as err:
+        load_chat_template(tmp_path / "named.json")
+    assert str(err.value) == (f"{tmp_path / 'named.json'}: holds named chat templates ('tool_use', 'rag') but none "
+                              "named 'default' (write the one to train with to a .jinja file and pass that)"), err.value
+    (tmp_path / "default.json").write_text(json.dumps({"chat_template": [{"name": "rag", "template": "x"},
+                                                                         {"name": "default", "template": CHATML}]}))
+    assert load_chat_template(tmp_path / "default.json").text == CHATML
 
 
 def test_a_chat_template_jinja_beside_the_config_is_the_template_as_in_transformers(chat_files, tmp_path):

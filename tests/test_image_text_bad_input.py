@@ -72,8 +72,14 @@ def test_an_images_field_that_is_not_a_list_of_paths_is_named_with_what_it_is(so
     assert not (tmp_path / "d").exists()
 
 
-def test_a_missing_messages_field_is_called_missing(source, tmp_path):
-    _with_line(source, {"images": []})
+def test_a_missing_messages_field_is_called_missing_naming_the_fields_the_line_has(source, tmp_path):
+    """The words are a chat conversion's, naming the option and the line's fields (a LLaVA line's
+    'conversations': found by review, the line said only that 'messages' was missing or null)."""
+    _with_line(source, {"images": [], "conversations": []})
+    with pytest.raises(ConvertError, match=r"^vlm.jsonl:3: has no field 'messages' \(messages_field='messages'; the "
+                                           r"line's fields: 'images', 'conversations'\)$"):
+        _convert(source, tmp_path / "d")
+    _with_line(source, {"images": [], "messages": None})
     with pytest.raises(ConvertError, match=r"^vlm.jsonl:3: field 'messages' is missing or null, not a list"):
         _convert(source, tmp_path / "d")
 

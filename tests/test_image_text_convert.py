@@ -214,6 +214,26 @@ def test_image_tokens_the_template_writes_itself_are_named_as_the_templates(tmp_
     assert not (tmp_path / "ds").exists()
 
 
+def test_image_tokens_in_messages_the_template_leaves_out_are_named_as_left_out(tmp_path):
+    """Found by review: a placeholder in a message the chat template does not render (here a system message, under
+    a template that skips them) was refused as '1 image in 'images' but 0 '<image>' placeholders in 'messages'',
+    though the messages hold one. The line says how many of the messages' placeholders the template left out."""
+    src = image_text_source(tmp_path, n=2)
+    skips_system = CHATML.replace("{% for message in messages %}",
+                                  "{% for message in messages %}{% if message['role'] != 'system' %}").replace(
+                                      "{% endfor %}", "{% endif %}{% endfor %}")
+    config = chat_config(tmp_path / "skips_system.json", skips_system)
+    messages = [{"role": "system", "content": "<image> look"}, {"role": "user", "content": "what is it"},
+                {"role": "assistant", "content": "a square"}]
+    _rewrite(src, 2, images=["img/s1-0.png"], messages=messages)
+    with pytest.raises(ConvertError, match=r"^vlm\.jsonl:2: 1 image in 'images' but 0 '<image>' placeholders in "
+                                           r"'messages' \(1 in the messages' text left out by the chat template "
+                                           r"\S*skips_system\.json\)$"):
+        convert_image_text(ConvertConfig(src["source"], tmp_path / "ds", workers=1),
+                           ImageTextOptions(src["tokenizer"], config))
+    assert not (tmp_path / "ds").exists()
+
+
 LLAVA_HF = ("{% for message in messages %}{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}"
             "{% endif %}{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
             "{{ '<image>\\n' }}{% endfor %}{% if message['role'] != 'assistant' %}"

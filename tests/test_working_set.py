@@ -301,8 +301,8 @@ def test_an_image_text_batch_reads_every_conversation_packed_into_its_sequences(
     with pytest.raises(StorageError) as err:
         fastio.Loader(url, cache_dir=str(tmp_path / "c0"), cache_size=1, storage_options=moto_server.options(), **opts)
     smallest = parse_size(re.search(r"raise cache_size to at least (\S+ [kM]?B)", str(err.value))[1])
-    assert re.search(rf"\(the shards of 1 batch of {batch_size} units of up to \d+ stored samples read at once, "
-                     r"each touching up to \d+ consecutive shards\)", str(err.value)), str(err.value)
+    assert re.search(rf"\(the shards of 1 batch of {batch_size} packed sequences of up to \d+ stored samples read at "
+                     r"once, each touching up to \d+ consecutive shards\)", str(err.value)), str(err.value)
 
     def epochs(where, start: int, **more) -> list[dict]:
         """Two epochs from ``start`` sequences into the first (a resume at a position a batch does not start at)."""
@@ -359,3 +359,50 @@ def test_a_refusal_for_a_batch_larger_than_the_epoch_names_the_batch_the_loader_
         "consecutive shards)" in said, said
     named = re.search(r"raise cache_size to at least (\S+ [kM]?B)$", said)  # the amount was right: every shard
     assert named and parse_size(named[1]) >= _largest(shards, 6), said
+
+
+@pytest.mark.parametrize(("batch_size", "remainder", "said"), [
+    (4, "pad", "(the shards of 1 batch of 4 packed sequences read at once, each touching up to 2 consecutive shards)"),
+    (10**9, "partial", "(the shards of 1 batch of packed sequences reading all 120 documents read at once, each "
+                       "touching up to 5 consecutive shards)")])
+def test_a_token_refusal_names_its_batch_in_packed_sequences_and_documents(moto_server, s3_bucket, tmp_path,
+                                                                           batch_size, remainder, said):
+    """Found by review: a cache too small for fastio.Tokens was named as 'the shards of 1 batch of 4 samples', though
+    its batch_size counts packed sequences and its shards hold documents, and batch_size=10**9 with
+    remainder='partial' as 'a batch of 120 samples' (the dataset's documents taken for the batch the Loader
+    makes: here 556 sequences). Now the batch is named in the kind's units, and one past the dataset by the
+    documents it reads: all of them. The amount was right."""
+    from tokens_helpers import word_corpus
+
+    import fastio
+
+    local = word_corpus(tmp_path)  # 120 documents in 5 shards
+    url = f"s3://{s3_bucket}/tok"
+    _upload(local, url, moto_server.options())
+    with pytest.raises(StorageError) as err:
+        fastio.Loader(url, pipeline=fastio.Tokens(seq_len=16), batch_size=batch_size, remainder=remainder,
+                      device="cpu", shuffle="none", reader_threads=1, cache_dir=str(tmp_path / "c"), cache_size=1,
+                      storage_options=moto_server.options())
+    assert "samples" not in str(err.value) and said in str(err.value), str(err.value)
+    named = re.search(r"raise cache_size to at least (\S+ [kM]?B)$", str(err.value))
+    assert named and parse_size(named[1]) >= _largest(local, 2 if batch_size == 4 else 5), str(err.value)
+
+
+def test_an_image_text_refusal_for_a_batch_past_the_dataset_names_the_samples_it_reads(moto_server, s3_bucket,
+                                                                                      tmp_path):
+    """Found by review: fastio.ImageText with batch_size=10**9 and remainder='partial' (the Loader makes one batch
+    of the epoch's 38 sequences) was refused, rightly, in words of '1 batch of 1000000000 units'. Now it names the
+    packed sequences by what they read: all 80 stored samples (the rule the images' refusal follows)."""
+    import fastio
+
+    url = f"s3://{s3_bucket}/vlm"
+    local, pipe = _image_text_on_s3(tmp_path, url, moto_server.options(), 80, 255)
+    with pytest.raises(StorageError) as err:
+        fastio.Loader(url, pipeline=pipe, batch_size=10**9, remainder="partial", device="cpu", shuffle="none",
+                      reader_threads=1, cache_dir=str(tmp_path / "c"), cache_size=1,
+                      storage_options=moto_server.options())
+    said = str(err.value)
+    assert "1000000000" not in said and "(the shards of 1 batch of packed sequences reading all 80 stored samples " \
+        "read at once, each touching up to 20 consecutive shards)" in said, said
+    named = re.search(r"raise cache_size to at least (\S+ [kM]?B)$", said)
+    assert named and parse_size(named[1]) >= _largest(local, 20), said

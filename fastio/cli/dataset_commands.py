@@ -125,10 +125,10 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
                    "(<|endoftext|>) is encoded as plain text, the documents counted (plain, the default), or refused "
                    "naming the document.")
 @click.option("--chat-template", type=click.Path(path_type=Path), default=None, metavar="FILE",
-              help="With --tokenizer: each document is a conversation (a list of {role, content} messages in "
-                   "--messages-field) rendered with this Hugging Face chat template (a .jinja file or a "
-                   "tokenizer_config.json); the tokens of its {% generation %} blocks are trained (a loss mask "
-                   "beside each shard; docs/tokens.md).")
+              help="With --tokenizer: each document is a conversation (a list of {role, content} messages, or "
+                   "ShareGPT's {from, value}, in --messages-field) rendered with this Hugging Face chat template "
+                   "(a .jinja file or a tokenizer_config.json); the tokens of its {% generation %} blocks are "
+                   "trained (a loss mask beside each shard; docs/tokens.md).")
 @click.option("--messages-field", default=None, help="With --chat-template: the JSONL field or Parquet column of "
                                                      "each conversation's messages (default: messages).")
 @click.option("--train-on", default=None, metavar="generation|all",

@@ -1,7 +1,8 @@
 """Conversations into token ids and loss masks, a batch at a time (a chat conversion's worker step,
 ``fastio convert --chat-template``).
 
-Each conversation (a list of ``{"role": ..., "content": ...}`` messages) is checked, rendered with the chat
+Each conversation (a list of ``{"role": ..., "content": ...}`` messages, or ShareGPT's ``{"from": ..., "value":
+...}``, entered as the former: :func:`entered`) is checked, rendered with the chat
 template (:func:`fastio.formats.chat_template.render`: as transformers renders it), the rendered texts tokenized
 together (no special tokens added: the template writes them; a special token's string in a message is that
 special token, as in transformers: by :class:`~fastio.formats.byte_level_bpe.ByteLevelBPE` where the tokenizer is
@@ -18,7 +19,8 @@ does (counted as dropped). A reply is the model's: a message the template render
 block (the run ending with it has one more block than the run without it) of a role that is not a prompt's (one of
 :data:`PROMPT_ROLES`: a template that trains the user's turns too never makes a user message the last one kept),
 so ShareGPT's ``gpt`` under a template that trains it is one; under a template without blocks
-(``train_on="all"``), one of :data:`REPLY_ROLES`.
+(``train_on="all"``), one of :data:`REPLY_ROLES`. A role is read whatever its case (:func:`role_of`, the one rule:
+``User`` is a prompt, ``Assistant`` a reply); the template renders it as the data spells it.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from fastio.formats.assistant_mask import assistant_mask
 from fastio.formats.byte_level_bpe import ByteLevelBPE
 from fastio.formats.chat_template import REASONING_FIELDS, ChatTemplate, ChatTemplateError, render
 
-__all__ = ["OVERLONG", "PROMPT_ROLES", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "refuse_unencodable"]
+__all__ = ["OVERLONG", "PROMPT_ROLES", "REPLY_ROLES", "TRAIN_ON", "ChatEncoder", "check_messages", "entered",
+           "refuse_unencodable", "role_of"]
 
 TRAIN_ON = ("generation", "all")
 """What a chat conversion trains on: the template's ``{% generation %}`` blocks, or every token."""
@@ -46,6 +49,40 @@ one): OpenAI's, ShareGPT's and Gemma's."""
 PROMPT_ROLES = ("user", "human", "system", "developer", "tool", "ipython", "function", "observation")
 """The roles of what the model is given, never a reply ``overlong="truncate"`` cuts after, even where the template
 trains them: OpenAI's, ShareGPT's, Llama's tool output (``ipython``) and LLaMA-Factory's (``observation``)."""
+
+
+def role_of(message: dict) -> str:
+    """The one rule for which role a message is (a prompt's, :data:`PROMPT_ROLES`, or a reply's,
+    :data:`REPLY_ROLES`): its ``role`` whatever its case and surrounding spaces (``User``, ``GPT``); the template
+    still renders the role as the data spells it."""
+    return message["role"].strip().casefold()
+
+
+def entered(messages: Any, where: str, field: str) -> list[dict]:
+    """``messages`` checked (:func:`check_messages`) as the template sees them: a ShareGPT message
+    (``{"from": ..., "value": ...}``, no ``role``) as ``{"role": ..., "content": ...}``, its values and any other
+    key unchanged; every other message as it is."""
+    check_messages(messages, where, field)
+    return [_renamed(m) for m in messages]
+
+
+def _keys(m: dict) -> tuple[str, str]:
+    """The keys of a message's role and content as the data spells them: ShareGPT's ``from`` (a message without a
+    ``role``) and ``value`` (without a ``content``), else ``role`` and ``content``; a key whose value is null is
+    absent (a Parquet row of a column that holds both kinds of message has the other kind's keys, null)."""
+    if m.get("role") is not None or m.get("from") is None:
+        return "role", "content"
+    return "from", "content" if m.get("content") is not None else "value"
+
+
+def _renamed(m: dict) -> dict:
+    """A message with its :func:`_keys` renamed ``role`` and ``content`` (in place of those keys where null), its
+    values and other keys unchanged."""
+    keys = _keys(m)
+    if keys == ("role", "content"):
+        return m
+    names = dict(zip(keys, ("role", "content")))
+    return {names.get(k, k): v for k, v in m.items() if k in names or k not in ("role", "content")}
 
 
 def check_messages(messages: Any, where: str, field: str) -> None:
@@ -64,23 +101,25 @@ def check_messages(messages: Any, where: str, field: str) -> None:
 
 
 def _check_message(m: Any, at: str) -> None:
-    """ConvertError starting with ``at`` unless ``m`` is one message (see :func:`check_messages`)."""
+    """ConvertError starting with ``at`` unless ``m`` is one message (see :func:`check_messages`), naming its keys
+    as the data spells them (:func:`_keys`)."""
     if not isinstance(m, dict):
         raise ConvertError(f"{at} is {type(m).__name__}, not a message object")
-    if m.get("role") is None:
-        sharegpt = " (ShareGPT's 'from'/'value' keys: rename them 'role'/'content')" if "from" in m else ""
-        raise ConvertError(f"{at} has no 'role' (a message is " '{"role": ..., "content": ...})' + sharegpt)
-    if not isinstance(m["role"], str):
-        raise ConvertError(f"{at}.role is {type(m['role']).__name__}, not text")
-    content, calls, reasoning = m.get("content"), m.get("tool_calls"), _reasoning(m)
+    role, text = _keys(m)
+    if m.get(role) is None:
+        raise ConvertError(f"{at} has no {role!r} (a message is " '{"role": ..., "content": ...}, or ShareGPT\'s '
+                           '{"from": ..., "value": ...})')
+    if not isinstance(m[role], str):
+        raise ConvertError(f"{at}.{role} is {type(m[role]).__name__}, not text")
+    content, calls, reasoning = m.get(text), m.get("tool_calls"), _reasoning(m)
     if content is None and calls is None and reasoning is None:
-        raise ConvertError(f"{at} has no 'content' and no 'tool_calls' (a message is "
+        raise ConvertError(f"{at} has no {text!r} and no 'tool_calls' (a message is "
                            '{"role": ..., "content": ...}, or an assistant\'s {"role": "assistant", "tool_calls": '
                            '[...]} or {"role": "assistant", "reasoning_content": ...})')
     if content is None and calls is None and not isinstance(m[reasoning], str):
         raise ConvertError(f"{at}.{reasoning} is {type(m[reasoning]).__name__}, not text")
     if content is not None and not isinstance(content, (str, list)):
-        raise ConvertError(f"{at}.content is {type(content).__name__}, not text or a list of content parts")
+        raise ConvertError(f"{at}.{text} is {type(content).__name__}, not text or a list of content parts")
     if calls is not None and not isinstance(calls, list):
         raise ConvertError(f"{at}.tool_calls is {type(calls).__name__}, not a list of tool calls")
 
@@ -127,7 +166,10 @@ class ChatEncoder:
 
     def rendered(self, messages: Any, where: str) -> tuple[str, list[tuple[int, int]]]:
         """One conversation's text and generation spans (ConvertError naming ``where`` and the template)."""
-        check_messages(messages, where, self.field)
+        return self._rendered(entered(messages, where, self.field), where)
+
+    def _rendered(self, messages: list[dict], where: str) -> tuple[str, list[tuple[int, int]]]:
+        """:meth:`rendered` of messages already :func:`entered`."""
         try:
             return render(self.template, messages)
         except ChatTemplateError as err:
@@ -138,7 +180,8 @@ class ChatEncoder:
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, int]]:
         """``(tokens per conversation, all ids, all mask bits, {"dropped": n, "truncated": n})`` of a batch, in
         order (a dropped conversation left out)."""
-        texts, spans = zip(*(self.rendered(m, w) for w, m in zip(wheres, conversations)))
+        conversations = [entered(m, w, self.field) for w, m in zip(wheres, conversations)]
+        texts, spans = zip(*(self._rendered(m, w) for w, m in zip(wheres, conversations)))
         try:
             encodings = self._tokenized(list(texts))
         except TypeError:  # tokenizers' refusal of a str that is not text
@@ -189,7 +232,7 @@ class ChatEncoder:
         def prefix(k: int) -> tuple[str, list[tuple[int, int]]] | None:
             if k not in renders:
                 try:
-                    renders[k] = self.rendered(messages[:k], where)
+                    renders[k] = self._rendered(messages[:k], where)
                 except ConvertError:
                     renders[k] = None
             return renders[k]
@@ -212,5 +255,5 @@ class ChatEncoder:
         (``train_on="all"``), or where the run without it cannot be rendered to compare, a message of a role in
         :data:`REPLY_ROLES`."""
         if self.template.has_generation and before is not None:
-            return len(run[1]) > len(before[1]) and last.get("role") not in PROMPT_ROLES
-        return last.get("role") in REPLY_ROLES
+            return len(run[1]) > len(before[1]) and role_of(last) not in PROMPT_ROLES
+        return role_of(last) in REPLY_ROLES

@@ -51,6 +51,7 @@ from fastio.convert.run import ConvertConfig, ConvertResult, convert
 from fastio.convert.token_convert import eos_token_id, load_tokenizer, tokenizer_sha256, vocab_size, with_specials
 from fastio.convert.token_convert import refuse_untrained as refuse_chat_untrained
 from fastio.converters.base import Entry, FileRef, ScanResult, Skip, UrlRef, image_field_for_suffix, resolve_inside
+from fastio.converters.documents import no_field
 from fastio.converters.table import read_rows
 from fastio.dataset.manifest import ImageTextInfo
 from fastio.errors import ConvertError, StorageError
@@ -252,7 +253,10 @@ def _encoded(rows: list[tuple[int, dict]], wheres: list[str], root: Path | str, 
     """Each of ``rows``' fields: its images (:func:`_images`), ``tokens.i32`` and ``mask.bits``, the rows encoded
     in one batch, or the Skip of a line whose image file is missing (:class:`_Missing`); ConvertError naming a
     refused line."""
-    lengths, ids, mask, _ = coder.encoder.encode(wheres, [row.get(options.messages_field) for _, row in rows])
+    missing = next(((where, row) for (_, row), where in zip(rows, wheres) if options.messages_field not in row), None)
+    if missing is not None:
+        raise no_field(*missing, options.messages_field, "messages_field")
+    lengths, ids, mask, _ = coder.encoder.encode(wheres, [row[options.messages_field] for _, row in rows])
     ends = np.cumsum(lengths)
     lines = []
     for i, ((_, row), where) in enumerate(zip(rows, wheres)):
@@ -327,9 +331,8 @@ def _images(row: dict, where: str, root: Path | str, options: ImageTextOptions, 
     asked for by :func:`_ask_sizes`."""
     paths = _image_paths(row, where, options.image_field)
     if len(paths) != placeholders:
-        templates = placeholders - _written(row.get(options.messages_field), options.image_token)
-        by_template = (f" ({templates} of them written by the chat template {options.chat_template}, not in the "
-                       "messages' text)") if templates > 0 else ""
+        by_template = _by_template(placeholders - _written(row.get(options.messages_field), options.image_token),
+                                   options.chat_template)
         raise ConvertError(f"{where}: {count(len(paths), 'image')} in {options.image_field!r} but {placeholders} "
                            f"{options.image_token!r} {agree(placeholders, 'placeholder')} in {options.messages_field!r}"
                            f"{by_template}")
@@ -358,6 +361,16 @@ def _image_paths(row: dict, where: str, field: str) -> list[str]:
         if not isinstance(path, str) or not path:
             raise ConvertError(f"{where}: {field}[{n}] is {_what(path)}, not an image path")
     return paths
+
+
+def _by_template(more: int, template: Path) -> str:
+    """Why the rendered placeholders outnumber the messages' own by ``more`` (the template wrote them) or fall short
+    of them (the template left out a message holding them), in words; "" where they agree."""
+    if more > 0:
+        return f" ({more} of them written by the chat template {template}, not in the messages' text)"
+    if more < 0:
+        return f" ({-more} in the messages' text left out by the chat template {template})"
+    return ""
 
 
 def _written(value: Any, token: str) -> int:

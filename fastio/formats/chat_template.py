@@ -100,6 +100,9 @@ def _config_template(data: Any, path: Path) -> str:
     if isinstance(template, list):  # named templates: transformers' default is the one named "default"
         named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
         template = named.get("default")
+        if template is None and named:
+            raise ChatTemplateError(f"{path}: holds named chat templates ({', '.join(map(repr, named))}) but none "
+                                    "named 'default' (write the one to train with to a .jinja file and pass that)")
     if not isinstance(template, str):
         raise ChatTemplateError(f"{path}: holds no chat_template string, and no {CHAT_TEMPLATE_FILE} is beside it (a "
                                 "tokenizer_config.json's, or a .jinja file)")

@@ -426,6 +426,9 @@ class Pipeline:
     shuffles: ClassVar[tuple[str, ...]] = ("global", "block", "none")
     """The ``shuffle`` modes the kind reads (a packed kind: ``global`` and ``none``); a cache refusal suggests no
     other."""
+    unit: ClassVar[str] = "sample"
+    """What ``batch_size`` counts, in messages (a packed kind's: :data:`PACKED_UNIT`; a cache refusal names its
+    batch so)."""
     whole_batch: ClassVar[tuple[str, ...]] = ()
     """Entries of :meth:`assemble`'s batch that are not one row per unit (a packed batch's ``cu_seqlens``): the
     Loader checks every other tensor and list is as long as the batch."""
@@ -471,7 +474,7 @@ class Pipeline:
                                       "and its source is the default one, which reads stored samples: define "
                                       "source(read_set, sampling, place) returning the plan and reader of its own "
                                       "units (docs/adding-a-kind.md)")
-        return Source(read_set.sampler(sampling, place.world_size, place.rank), read_set.reader, self)
+        return Source(read_set.sampler(sampling, place.world_size, place.rank), read_set.reader, self, self.unit)
 
     def graph(self) -> GraphDef | None:
         """The kind's DALI graph, or None for none (the read batch goes to :meth:`assemble` as it is)."""

@@ -75,6 +75,7 @@ class ImageText(Pipeline):
     kind: ClassVar[str] = "image-text"
     default_fields: ClassVar[str] = "none"
     shuffles: ClassVar[tuple[str, ...]] = ("global", "none")
+    unit: ClassVar[str] = PACKED_UNIT
     whole_batch: ClassVar[tuple[str, ...]] = ("cu_seqlens", "image_rows", "image_starts", "images")
     image: ImageTrain | ImageEval = ImageTrain(size=336)
     """What decodes and augments each image (:class:`fastio.ImageTrain` or :class:`fastio.ImageEval`, any size,
@@ -146,7 +147,7 @@ class ImageText(Pipeline):
         packing = self._packing(ds, sampling)
         units = TokenUnits.of(packing, sampling, place.world_size, place.rank)
         return Source(units, ImageTextReader(ImageTextSource(ds, packing, reader), self.image_seq_len, decodable),
-                      self, PACKED_UNIT)
+                      self, self.unit)
 
     def _packing(self, ds: Dataset, spec: SamplerSpec) -> BestFitPacking:
         """The packing of image-text dataset ``ds``'s samples (DatasetError naming it for another dataset)."""
@@ -178,8 +179,7 @@ class ImageText(Pipeline):
                                          decodable, key_base)
             key_base += len(src.dataset)
         token_reader = TokenReader(tokens, read_set.reader_threads) if tokens else None
-        return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self,
-                      PACKED_UNIT)
+        return Source(sampler, MixedReader(readers, token_reader, [p.sequences for p in packings]), self, self.unit)
 
     def graph(self) -> GraphDef:
         """The ``image`` object's graph, fed each batch's images (one placeholder image where a batch has none:

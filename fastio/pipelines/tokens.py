@@ -53,6 +53,7 @@ class Tokens(Pipeline):
     kind: ClassVar[str] = "tokens"
     default_fields: ClassVar[str] = "none"
     shuffles: ClassVar[tuple[str, ...]] = ("global", "none")
+    unit: ClassVar[str] = PACKED_UNIT
     whole_batch: ClassVar[tuple[str, ...]] = ("cu_seqlens",)
     seq_len: int = 2048
     """Tokens of input per sequence (each sequence holds ``seq_len + 1``: one of overlap with the next)."""
@@ -89,7 +90,7 @@ class Tokens(Pipeline):
 
         plan, packings = self._packed(read_set, sampling, place)
         sources = [TokenSource(s.dataset, packing, s.files) for s, packing in zip(read_set.sources, packings)]
-        return Source(plan, TokenReader(sources, read_set.reader_threads), self, PACKED_UNIT)
+        return Source(plan, TokenReader(sources, read_set.reader_threads), self, self.unit)
 
     def _packed(self, read_set: ReadSet, sampling: SamplerSpec, place: Placement
                 ) -> tuple[UnitPlan, list[ConcatPacking | BestFitPacking]]:

@@ -179,6 +179,8 @@ class Reads(Protocol):
     default_fields: ClassVar[str]
     shuffles: ClassVar[tuple[str, ...]]
     """The ``shuffle`` modes it reads (what a cache refusal may suggest)."""
+    unit: ClassVar[str]
+    """What its ``batch_size`` counts (how a cache refusal names a batch)."""
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields | None: ...
 

@@ -78,7 +78,8 @@ class ReadSet:
         choice = FieldChoice.of(pipeline.fields, pipeline.default_fields, labels, shared)
         wanted = self._wanted(datasets, choice)
         readings = _readings(self.names, options, batch_size, self.mixture is not None, wanted,
-                             "block" in getattr(pipeline, "shuffles", ("block",)))
+                             "block" in getattr(pipeline, "shuffles", ("block",)),
+                             getattr(pipeline, "unit", "sample"), _stored_nouns(self.names, datasets))
         depth = _check_shared_caches(self.names, datasets, options, readings)
         self.reader_threads: int = options.performance.reader_threads
         self.sources = self._open(datasets, choice, options, depth, readings, wanted)
@@ -374,13 +375,22 @@ def _threads_per_source(options: Options, sources: int) -> int:
     return -(-options.performance.reader_threads // sources)
 
 
+def _stored_nouns(names: Sequence[str], datasets: Sequence[Dataset]) -> dict[str, str]:
+    """What each dataset's shards hold, by name, in a refusal's words: a token dataset's documents, else stored
+    samples."""
+    return {name: "document" if ds.manifest.tokens is not None else "stored sample"
+            for name, ds in zip(names, datasets)}
+
+
 def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: bool,
-              wanted: dict[str, ReadFields | None], block: bool = True) -> dict[str, Reading]:
+              wanted: dict[str, ReadFields | None], block: bool, unit: str, stored: dict[str, str]
+              ) -> dict[str, Reading]:
     """How each source is read, for its cache's working set: a batch of ``batch_size`` units (at most: a
     source's part of a mixture's batch), each reading up to its ``wanted`` ``per_unit`` stored samples (a packed
     sequence's conversations), as many batches at once as its reader threads read (at most the feeder's
     ``read_ahead`` batches and the one it waits for); a token reader's threads hold one shard each, of any source;
-    ``block``: whether the kind reads ``shuffle='block'`` (a refusal suggests it only then)."""
+    ``block``: whether the kind reads ``shuffle='block'`` (a refusal suggests it only then); ``unit``: what the
+    kind's ``batch_size`` counts and ``stored``: what each source's shards hold, by name (a refusal's words)."""
     order, threads, batches = options.order, _threads_per_source(options, len(names)), options.performance.read_ahead + 2
     holders = min(options.performance.reader_threads, batches)  # a token reader's threads: one shard each
 
@@ -389,7 +399,8 @@ def _readings(names: Sequence[str], options: Options, batch_size: int, mixture: 
 
     return {name: Reading(order.shuffle, order.block_shards, batch_size * per_unit(name), min(threads, batches),
                           runs=2 if mixture else 1, threads_hint=not mixture, holders=holders,
-                          per_unit=per_unit(name), block_hint=block) for name in names}
+                          per_unit=per_unit(name), block_hint=block,
+                          unit=unit, stored=stored[name]) for name in names}
 
 
 def _open_source(ds: Dataset, wanted: ReadFields | None, threads: int, options: Options, reading: Reading,

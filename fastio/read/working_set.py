@@ -6,7 +6,8 @@ them all, and ``batches`` of them are read at once (the reader threads, at most 
 :class:`Reading`). What one batch of ``batch_size`` samples can touch, whatever the epoch, the rank, a resume's
 start or the padded last batch (which wraps to the epoch's start), by shuffle mode (a ``batch_size`` past the
 epoch, which ``remainder='partial'`` takes, is one batch of the epoch's samples: every shard; a refusal names that
-batch, the one the Loader makes):
+batch, the one the Loader makes, in the kind's units: a packed kind's batch of at least as many sequences as the
+dataset has stored samples by what it reads, all of them):
 
 - ``global``: every batch draws from the whole dataset, so every shard is wanted at once: all of it;
 - ``block``: the windows of ``block_shards`` shards its positions span: the two at its ends (any shards of them:
@@ -67,6 +68,11 @@ class Reading:
     stored-sample reader has its share of them)."""
     per_unit: int = 1
     """Stored samples one unit of the batch reads at most (``batch_size`` counts them all): for the words only."""
+    unit: str = "sample"
+    """What the Loader's ``batch_size`` counts (the kind's ``unit``: a packed kind's is a packed sequence): for the
+    words only."""
+    stored: str = "stored sample"
+    """What the dataset's shards hold (a token dataset's: documents): for the words only."""
     block_hint: bool = True
     """Whether a refusal may suggest ``shuffle='block'`` (a packed kind reads ``global`` or ``none`` only: it
     suggests ``shuffle='none'`` instead)."""
@@ -190,16 +196,26 @@ def _what(shards: Shards, reading: Reading) -> str:
     """What the batches of ``reading`` hold at once, in words."""
     if reading.shuffle == "global":
         return "every shard: a global shuffle draws each batch from the whole dataset"
-    k, b, t = reading.batches, reading.batch_size, shards.per_batch(reading)
-    # a batch_size past the epoch (remainder='partial') is one batch of the epoch's samples, the batch the Loader
-    # makes (a packed kind's units are not counted here: its batch is named as given)
-    size = count(min(b, shards.n), "sample") if reading.per_unit == 1 else (
-        f"{count(b // reading.per_unit, 'unit')} of up to {count(reading.per_unit, 'stored sample')}")
-    batches = f"{k} {agree(k, 'batch', 'batches')} of {size} read at once"
+    k, t = reading.batches, shards.per_batch(reading)
+    batches = f"{k} {agree(k, 'batch', 'batches')} of {_batch(shards, reading)} read at once"
     if reading.shuffle == "block":
         return (f"the largest shards of {batches}, each touching up to {count(t, 'shard')} of the windows of "
                 f"{reading.block_shards} it spans: a batch crossing into the next window holds shards of both")
     return f"the shards of {batches}, each touching up to {t} consecutive {agree(t, 'shard')}"
+
+
+def _batch(shards: Shards, reading: Reading) -> str:
+    """One batch of ``reading`` in words, the batch the Loader makes: its units (``8 samples``, ``2 packed sequences
+    of up to 9 stored samples``); one of at least as many units as the dataset has stored samples (a ``batch_size``
+    past the epoch, which ``remainder='partial'`` takes, or one counted as every shard anyway) by what it reads,
+    the dataset's samples (``48 samples``, ``packed sequences reading all 120 documents``): how many units a packed
+    epoch holds is not known here."""
+    units, per = reading.batch_size // reading.per_unit, reading.per_unit
+    if reading.unit == "sample" and per == 1:
+        return count(min(units, shards.n), "sample")
+    if units >= shards.n:
+        return f"{agree(2, reading.unit)} reading all {count(shards.n, reading.stored)}"
+    return count(units, reading.unit) + (f" of up to {count(per, reading.stored)}" if per > 1 else "")
 
 
 def _refuse_unless_it_fits(shards: Shards, reading: Reading, cache_size: int, url: str) -> None:
