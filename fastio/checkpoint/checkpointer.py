@@ -285,7 +285,8 @@ class Checkpointer:
         return self.config.preempted_exit_code if self.preempted else 0
 
     def request_preemption(self) -> None:
-        """Act as if a preemption signal had arrived (the next ``maybe_save`` saves and sets ``preempted``)."""
+        """Act as if a preemption warning (SIGUSR1) had arrived: the next ``maybe_save`` saves and sets ``preempted``
+        (and requeues the Slurm job with ``requeue=True``)."""
         self._flag.request()
 
     def maybe_save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
@@ -307,15 +308,16 @@ class Checkpointer:
         if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
             due = due or self.rank == 0
         busy = self._thread is not None and self._thread.is_alive()
-        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy),
-                                               label=f"maybe_save at step {step}")
+        preempt, due, busy, requeue = self._ranks.enter(
+            "maybe_save", flags=(self._flag.requested, due, busy, self._flag.requeue_wanted),
+            label=f"maybe_save at step {step}")
         if step == self._last_step and not preempt:
             return False
         if preempt:
             self._save(step, app, metrics, epoch, blocking=True)
             self._flag.clear()  # acted on; a later signal asks again
             self.preempted = True
-            if self.config.requeue and self.rank == 0:
+            if requeue and self.config.requeue and self.rank == 0:  # a warning came, not only SIGTERM (scancel)
                 requeue_slurm_job()
             return True
         if not due:

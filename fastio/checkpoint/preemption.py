@@ -1,4 +1,8 @@
-"""Preemption: signals that only set a flag, and Slurm requeue of the current job."""
+"""Preemption: signals that only set a flag, and Slurm requeue of the current job.
+
+Which signal came decides whether a requeue is wanted (:data:`NO_REQUEUE`): Slurm's warning before a time limit or
+a preemption (``#SBATCH --signal=B:USR1@120``) asks for one; SIGTERM, what ``scancel`` (and the end of the time
+limit) sends, asks the job to end: it saves, but a job the user cancelled must not come back."""
 
 from __future__ import annotations
 
@@ -10,9 +14,13 @@ import subprocess
 import threading
 from collections.abc import Mapping
 
-__all__ = ["PreemptionFlag", "requeue_slurm_job", "slurm_job_id"]
+__all__ = ["NO_REQUEUE", "PreemptionFlag", "requeue_slurm_job", "slurm_job_id"]
 
 log = logging.getLogger(__name__)
+
+NO_REQUEUE = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+"""Signals that ask the process to end (``scancel``, Ctrl-C on ``srun``, a hang-up): a preemption save, never a
+requeue. Any other signal of ``signals=`` (SIGUSR1: Slurm's warning) is a warning, and requeues."""
 
 
 class PreemptionFlag:
@@ -23,7 +31,8 @@ class PreemptionFlag:
     """
 
     def __init__(self, signals: tuple[str, ...]):
-        self.signum: int | None = None
+        self.signums: set[int] = set()
+        """The signals that came since the last :meth:`clear`."""
         self._previous: dict[int, object] = {}
         if signals and threading.current_thread() is threading.main_thread():
             for name in signals:
@@ -36,16 +45,21 @@ class PreemptionFlag:
 
     @property
     def requested(self) -> bool:
-        return self.signum is not None
+        return bool(self.signums)
+
+    @property
+    def requeue_wanted(self) -> bool:
+        """A warning came (a signal not in :data:`NO_REQUEUE`), whatever came after it."""
+        return any(s not in NO_REQUEUE for s in self.signums)
 
     def request(self, signum: int = signal.SIGUSR1) -> None:
-        self.signum = int(signum)
+        self.signums.add(int(signum))
 
     def clear(self) -> None:
-        self.signum = None
+        self.signums.clear()
 
     def _handler(self, signum, frame) -> None:
-        self.signum = signum
+        self.signums.add(signum)
 
     def uninstall(self) -> None:
         if threading.current_thread() is threading.main_thread():
