@@ -28,6 +28,7 @@ from fastio.checkpoint import (
     naming,
     publish,
     record,
+    requeue_slurm_job,
     rollback,
     scan,
     slurm_job_id,
@@ -584,6 +585,23 @@ def test_warning_then_sigterm_still_requeues_and_sigterm_alone_does_not(tmp_path
         lines = record.read_text().splitlines() if record.exists() else []
         record.unlink(missing_ok=True)
         assert lines == ([] if name == "term" else ["requeue 99"]), name
+
+
+def test_a_refused_requeue_is_one_warning_quoting_scontrol(tmp_path, monkeypatch, caplog):
+    """A job submitted with --no-requeue (or JobRequeue=0): scontrol refuses (Slurm 22.05's words, checked on the
+    test cluster); the warning quotes its last line as scontrol wrote it (it read ``exited 1: ['Requested ...']``,
+    a Python list) and says the job is not requeued; the run goes on."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text("#!/bin/sh\necho 'Requested operation is presently disabled "
+                                     "for job 42' >&2\nexit 1\n")
+    (bindir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    with caplog.at_level("WARNING", logger="fastio"):
+        assert requeue_slurm_job({"SLURM_JOB_ID": "42"}) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "fastio: scontrol requeue 42 exited 1: Requested operation is presently disabled for job 42; "
+        "the job is not requeued (resubmit it to resume)"]
 
 
 def test_slurm_job_id_for_plain_and_array_jobs():

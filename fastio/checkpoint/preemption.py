@@ -93,7 +93,8 @@ def requeue_slurm_job(env: Mapping[str, str] | None = None, timeout: float = 60.
         log.warning("fastio: scontrol requeue %s failed: %s", job, err)
         return False
     if proc.returncode != 0:
-        log.warning("fastio: scontrol requeue %s exited %d: %s", job, proc.returncode,
-                    (proc.stderr or proc.stdout).strip().splitlines()[-1:] or "")
+        said = (proc.stderr or proc.stdout).strip().splitlines()
+        log.warning("fastio: scontrol requeue %s exited %d: %s; the job is not requeued (resubmit it to resume)",
+                    job, proc.returncode, said[-1] if said else "no message")
         return False
     return True
