@@ -587,6 +587,19 @@ def test_warning_then_sigterm_still_requeues_and_sigterm_alone_does_not(tmp_path
         assert lines == ([] if name == "term" else ["requeue 99"]), name
 
 
+def test_requeue_with_only_stop_signals_warns_once(tmp_path, caplog):
+    """requeue=True with signals that all ask the job to end (SIGTERM) could never requeue: one warning says so,
+    naming them and the warning signal to add; a warning signal among them, or signals=(), is not warned about."""
+    with caplog.at_level("WARNING", logger="fastio"):
+        Checkpointer(tmp_path / "a", requeue=True, signals=("SIGTERM", "SIGINT")).close()
+        Checkpointer(tmp_path / "b", requeue=True, signals=("SIGUSR2", "SIGTERM")).close()
+        Checkpointer(tmp_path / "c", requeue=True, signals=()).close()
+        Checkpointer(tmp_path / "d", signals=("SIGTERM",)).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "fastio: Checkpointer(requeue=True, signals=SIGTERM, SIGINT): none of these signals requeues the Slurm job "
+        "(they ask it to end: scancel sends SIGTERM); add Slurm's warning, SIGUSR1, and #SBATCH --signal=B:USR1@120"]
+
+
 def test_a_refused_requeue_is_one_warning_quoting_scontrol(tmp_path, monkeypatch, caplog):
     """A job submitted with --no-requeue (or JobRequeue=0): scontrol refuses (Slurm 22.05's words, checked on the
     test cluster); the warning quotes its last line as scontrol wrote it (it read ``exited 1: ['Requested ...']``,

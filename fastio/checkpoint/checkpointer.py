@@ -47,7 +47,7 @@ from fastio.checkpoint.engines import choose_engine, get_engine
 from fastio.checkpoint.engines.base import Engine, first_line
 from fastio.checkpoint.engines.strict import optimizer_classes
 from fastio.checkpoint.group import RankGroup
-from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
+from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job, warn_if_nothing_requeues
 from fastio.checkpoint.record import CommitInfo, Progress
 from fastio.checkpoint.restore import (
     LOADER_POLICIES,
@@ -211,6 +211,8 @@ class Checkpointer:
         self.last_write_s = 0.0
         """Seconds the last completed background write took, from start to commit."""
         self._flag = PreemptionFlag(self.config.signals)
+        if self.config.requeue and self.rank == 0:
+            warn_if_nothing_requeues(self.config.signals)
 
     def _start_commit(self) -> None:
         """The ranks that see this rank's directory (all, except for an ``s3://`` dir staged node-locally: a

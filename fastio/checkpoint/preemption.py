@@ -14,13 +14,22 @@ import subprocess
 import threading
 from collections.abc import Mapping
 
-__all__ = ["NO_REQUEUE", "PreemptionFlag", "requeue_slurm_job", "slurm_job_id"]
+__all__ = ["NO_REQUEUE", "PreemptionFlag", "requeue_slurm_job", "slurm_job_id", "warn_if_nothing_requeues"]
 
 log = logging.getLogger(__name__)
 
 NO_REQUEUE = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
 """Signals that ask the process to end (``scancel``, Ctrl-C on ``srun``, a hang-up): a preemption save, never a
 requeue. Any other signal of ``signals=`` (SIGUSR1: Slurm's warning) is a warning, and requeues."""
+
+
+def warn_if_nothing_requeues(signals: tuple[str, ...]) -> None:
+    """One warning when ``requeue=True`` meets ``signals`` (names) that are all in :data:`NO_REQUEUE`: none of them
+    will requeue (``signals=()``, where the app calls ``request_preemption()`` itself, is not warned about)."""
+    if signals and all(signal.Signals[name] in NO_REQUEUE for name in signals):
+        log.warning("fastio: Checkpointer(requeue=True, signals=%s): none of these signals requeues the Slurm job "
+                    "(they ask it to end: scancel sends SIGTERM); add Slurm's warning, SIGUSR1, and "
+                    "#SBATCH --signal=B:USR1@120", ", ".join(signals))
 
 
 class PreemptionFlag:
