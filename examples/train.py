@@ -5,7 +5,8 @@
 
 A run killed at any step and started again with the same command (``--resume auto``, the default)
 ends with the same weights, bit for bit, as a run that was never interrupted (CPU, same world size).
-SIGUSR1/SIGTERM make it save at the next step and exit (``--requeue`` also requeues a Slurm job).
+SIGUSR1/SIGTERM make it save at the next step and exit (``--requeue`` also requeues a Slurm job after
+SIGUSR1, Slurm's warning; not after SIGTERM alone, what ``scancel`` sends).
 The last line printed by rank 0 is ``final weights sha256: <hex>``.
 """
 
@@ -97,7 +98,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads (fixed for bitwise resume)")
     p.add_argument("--loader-threads", type=int, default=None, help="DALI threads (default: core count)")
-    p.add_argument("--requeue", action="store_true", help="after a preemption save, scontrol requeue the job")
+    p.add_argument("--requeue", action="store_true",
+                   help="after a preemption save for SIGUSR1 (Slurm's warning; not SIGTERM: scancel), "
+                        "scontrol requeue the job")
     p.add_argument("--step-delay", type=float, default=0.0, help="sleep per step (to watch or signal a run)")
     p.add_argument("--quiet", action="store_true", help="do not print a line per step")
     p.add_argument("--sample-log", metavar="DIR",

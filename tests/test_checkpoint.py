@@ -28,6 +28,7 @@ from fastio.checkpoint import (
     naming,
     publish,
     record,
+    requeue_slurm_job,
     rollback,
     scan,
     slurm_job_id,
@@ -525,31 +526,95 @@ SIGNAL_WORKER = """
 """
 
 
-def test_sigusr1_makes_a_blocking_save_and_requeues(tmp_path, warm):
-    """SIGUSR1 to a script (started by the warm interpreter) under a Slurm job: a blocking save at the next step,
-    ``scontrol requeue JOBID``, the step restorable."""
+def fake_scontrol(tmp_path: Path) -> tuple[Path, Path]:
+    """A folder holding an ``scontrol`` that only appends its arguments to a file (Slurm is not the thing under
+    test here: tests/test_checkpoint_resume.py runs a real one), and that file."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     record = tmp_path / "scontrol.args"
     fake = bindir / "scontrol"
     fake.write_text(f"#!/bin/sh\necho \"$@\" >> {record}\n")
     fake.chmod(0o755)
+    return bindir, record
+
+
+@pytest.mark.parametrize("sig, requeued", [(signal.SIGUSR1, True), (signal.SIGTERM, False)],
+                         ids=["SIGUSR1", "SIGTERM"])
+def test_signal_makes_a_blocking_save_and_only_the_warning_requeues(tmp_path, warm, sig, requeued):
+    """SIGUSR1 or SIGTERM to a script (started by the warm interpreter) under a Slurm job with ``requeue=True``: a
+    blocking save at the next step, the step restorable; SIGUSR1 (Slurm's warning, ``--signal=B:USR1@120``) runs
+    ``scontrol requeue JOBID``, SIGTERM (``scancel``) does not: found by the Slurm review, SIGTERM requeued too, so
+    a job the user cancelled came back."""
+    bindir, record = fake_scontrol(tmp_path)
     script = tmp_path / "worker.py"
     script.write_text(textwrap.dedent(SIGNAL_WORKER))
     env = {**os.environ, "PYTHONPATH": str(REPO), "PATH": f"{bindir}:{os.environ['PATH']}",
            "SLURM_JOB_ID": "4242"}
     env.pop("SLURM_ARRAY_JOB_ID", None)
-    rc, out, err = warm.run(script, tmp_path, str(tmp_path / "ck"), timeout=120, env=env,
-                            signal_at=("step 5", signal.SIGUSR1))
+    rc, out, err = warm.run(script, tmp_path, str(tmp_path / "ck"), timeout=120, env=env, signal_at=("step 5", sig))
     assert rc == 0, out + err
     last = [line for line in out.splitlines() if line.startswith("preempted")]
     assert len(last) == 1, out
     _, step, value = last[0].split()
     assert int(step) == 5  # the signal came as step 5 was printed: that step's save is the blocking one
-    assert record.read_text().split() == ["requeue", "4242"]
+    if requeued:
+        assert record.read_text().split() == ["requeue", "4242"]
+    else:
+        assert not record.exists(), record.read_text()
     model = torch.nn.Linear(8, 8)
     state = Checkpointer(tmp_path / "ck").restore_latest({"model": model})
     assert state.step == int(step) and model.weight[0, 0].item() == float(value)
+
+
+def test_warning_then_sigterm_still_requeues_and_sigterm_alone_does_not(tmp_path, monkeypatch):
+    """The warning (SIGUSR1) and then SIGTERM before the next step (a time limit close behind the warning) still
+    requeue: the warning asked for it. SIGTERM alone saves without; ``request_preemption()`` acts as the warning."""
+    bindir, record = fake_scontrol(tmp_path)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "99")
+    monkeypatch.delenv("SLURM_ARRAY_JOB_ID", raising=False)
+    runs = {"usr1-term": (signal.SIGUSR1, signal.SIGTERM), "term": (signal.SIGTERM,), "request": ()}
+    for name, sent in runs.items():
+        with Checkpointer(tmp_path / name, every_steps=100, requeue=True) as ckpt:
+            for sig in sent:
+                os.kill(os.getpid(), sig)  # would end pytest without the Checkpointer's handlers
+            time.sleep(0.01)
+            if not sent:
+                ckpt.request_preemption()
+            assert ckpt.maybe_save(1, make_app()) and ckpt.preempted, name
+        lines = record.read_text().splitlines() if record.exists() else []
+        record.unlink(missing_ok=True)
+        assert lines == ([] if name == "term" else ["requeue 99"]), name
+
+
+def test_requeue_with_only_stop_signals_warns_once(tmp_path, caplog):
+    """requeue=True with signals that all ask the job to end (SIGTERM) could never requeue: one warning says so,
+    naming them and the warning signal to add; a warning signal among them, or signals=(), is not warned about."""
+    with caplog.at_level("WARNING", logger="fastio"):
+        Checkpointer(tmp_path / "a", requeue=True, signals=("SIGTERM", "SIGINT")).close()
+        Checkpointer(tmp_path / "b", requeue=True, signals=("SIGUSR2", "SIGTERM")).close()
+        Checkpointer(tmp_path / "c", requeue=True, signals=()).close()
+        Checkpointer(tmp_path / "d", signals=("SIGTERM",)).close()
+    assert [r.getMessage() for r in caplog.records] == [
+        "fastio: Checkpointer(requeue=True, signals=SIGTERM, SIGINT): none of these signals requeues the Slurm job "
+        "(they ask it to end: scancel sends SIGTERM); add Slurm's warning, SIGUSR1, and #SBATCH --signal=B:USR1@120"]
+
+
+def test_a_refused_requeue_is_one_warning_quoting_scontrol(tmp_path, monkeypatch, caplog):
+    """A job submitted with --no-requeue (or JobRequeue=0): scontrol refuses (Slurm 22.05's words, checked on the
+    test cluster); the warning quotes its last line as scontrol wrote it (it read ``exited 1: ['Requested ...']``,
+    a Python list) and says the job is not requeued; the run goes on."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "scontrol").write_text("#!/bin/sh\necho 'Requested operation is presently disabled "
+                                     "for job 42' >&2\nexit 1\n")
+    (bindir / "scontrol").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    with caplog.at_level("WARNING", logger="fastio"):
+        assert requeue_slurm_job({"SLURM_JOB_ID": "42"}) is False
+    assert [r.getMessage() for r in caplog.records] == [
+        "fastio: scontrol requeue 42 exited 1: Requested operation is presently disabled for job 42; "
+        "the job is not requeued (resubmit it to resume)"]
 
 
 def test_slurm_job_id_for_plain_and_array_jobs():

@@ -5,6 +5,7 @@ once for the file: the tests of each engine read its results (``preemption_runs`
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -30,12 +31,25 @@ def build():
     return {"model": model, "optim": optim, "loader": Position()}
 
 
+def under_fake_slurm(out: str, rank: int) -> dict[str, str]:
+    """This rank's environment for a Slurm job 31 whose ``scontrol`` only appends its arguments to
+    ``out/scontrol-RANK.args``; the environment it replaces (to put back)."""
+    bindir = Path(out, f"bin-{rank}")
+    bindir.mkdir()
+    (bindir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {Path(out, f"scontrol-{rank}.args")}\n')
+    (bindir / "scontrol").chmod(0o755)
+    saved = dict(os.environ)
+    os.environ.update(PATH=f"{bindir}:{os.environ['PATH']}", SLURM_JOB_ID="31")
+    return saved
+
+
 def worker(rank: int, root: str, out: str, engine: str) -> None:
     join_group(rank, WORLD, Path(out, "group.port"))
+    saved_env = under_fake_slurm(out, rank)
     try:
         app = build()
         torch.manual_seed(100 + rank)  # per-rank RNG streams
-        ckpt = Checkpointer(root, every_steps=2, signals=(), engine=engine)
+        ckpt = Checkpointer(root, every_steps=2, signals=(), engine=engine, requeue=True)
         for step in range(1, 6):
             x = torch.randn(8, 16)
             loss = app["model"](x).square().mean()
@@ -44,7 +58,7 @@ def worker(rank: int, root: str, out: str, engine: str) -> None:
             app["optim"].step()
             app["loader"].consumed += 8 * (rank + 1)  # different on each rank
             if step == 5 and rank == 1:
-                ckpt.request_preemption()  # only rank 1 was signalled: both must save and stop
+                ckpt.request_preemption()  # only rank 1 got the warning: both must save and stop, rank 0 requeue
             ckpt.maybe_save(step, app, metrics={"loss": loss.item()})
             if ckpt.preempted:
                 break
@@ -60,6 +74,8 @@ def worker(rank: int, root: str, out: str, engine: str) -> None:
         Path(out, f"rank{rank}.json").write_text(json.dumps({"preempted": preempted, "expected": expected,
                                                             "got": got}))
     finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
         dist.destroy_process_group()
 
 
@@ -89,6 +105,8 @@ def test_two_ranks_per_rank_state_and_agreed_preemption(preemption_runs, engine)
         assert res["got"] == res["expected"], r
         assert res["got"]["step"] == 5
     assert results[0]["got"]["consumed"] == 40 and results[1]["got"]["consumed"] == 80
+    assert (tmp_path / "scontrol-0.args").read_text().split() == ["requeue", "31"]  # rank 1's warning, agreed
+    assert not (tmp_path / "scontrol-1.args").exists()  # only rank 0 requeues
     assert results[0]["got"]["draw"] != results[1]["got"]["draw"]
     assert [e.step for e in scan.committed(root)] == [2, 4, 5]
     assert catalog.verify(root) == []

@@ -149,10 +149,24 @@ cat "$out"
 """
 
 
+needs_slurm = pytest.mark.skipif(
+    os.geteuid() != 0 or not all(shutil.which(x) for x in ("slurmctld", "slurmd", "munged", "sbatch", "unshare")),
+    reason="needs root and Slurm (slurm-wlm, munge) for a one-node cluster: make test-slurm")
+
+
+def on_one_node(tmp_path: Path, job: str, job_env: dict[str, str]) -> str:
+    """The bash script ``job`` run against a one-node Slurm cluster (tests/slurm/with-cluster.sh): its stdout."""
+    script = tmp_path / "job.sh"
+    script.write_text(job)
+    proc = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "with-cluster.sh"), str(tmp_path / "cluster"),
+                           "bash", str(script)], capture_output=True, text=True, env=job_env, timeout=480,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
 @pytest.mark.slurm
-@pytest.mark.skipif(os.geteuid() != 0 or not all(shutil.which(x) for x in ("slurmctld", "slurmd", "munged",
-                                                                         "sbatch", "unshare")),
-                    reason="needs root and Slurm (slurm-wlm, munge) for a one-node cluster: make test-slurm")
+@needs_slurm
 def test_real_slurm_usr1_requeues_and_resumes_bitwise(image_dataset, tmp_path):
     """sbatch examples/slurm/train.sbatch on a one-node Slurm cluster (tests/slurm/with-cluster.sh):
     B:USR1 -> checkpoint, real `scontrol requeue`, the requeued job resumes and ends like an uninterrupted run."""
@@ -163,22 +177,52 @@ def test_real_slurm_usr1_requeues_and_resumes_bitwise(image_dataset, tmp_path):
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env())
     work = tmp_path / "job"
     work.mkdir()
-    script = tmp_path / "job.sh"
-    script.write_text(SLURM_JOB)
     job_env = {**env(), "WORK": str(work), "DATA": str(image_dataset), "CKPT": str(tmp_path / "ck"),
                "PYTHON": sys.executable, "FASTIO": str(REPO),
                "TRAIN_ARGS": f"--steps {steps} --every-steps 100 --loader-threads 1 --step-delay 0.1"}
-    proc = subprocess.run(["bash", str(REPO / "tests" / "slurm" / "with-cluster.sh"), str(tmp_path / "cluster"),
-                           "bash", str(script)], capture_output=True, text=True, env=job_env, timeout=480,
-                          check=False)
-    out = proc.stdout
-    assert proc.returncode == 0, out + proc.stderr
+    out = on_one_node(tmp_path, SLURM_JOB, job_env)
     assert "JobState=COMPLETED" in out and "Restarts=1" in out, out
     saved = [line for line in out.splitlines() if line.startswith("preempted: saved step")]
     assert len(saved) == 1, out
     step = int(saved[0].split()[3])
     assert f"resumed from step {step}" in out and "job" in out and "restart 1" in out, out
     assert digest(out) == digest(reference.communicate(timeout=120)[0])
+
+
+SCANCEL_JOB = r"""
+set -u
+cd "$WORK"
+jid=$(sbatch --parsable --gpus-per-node=0 --cpus-per-task=1 "$FASTIO/examples/slurm/train.sbatch") || exit 1
+out=fastio-train-$jid.out
+for i in $(seq 480); do grep -q "^step 4 " "$out" 2>/dev/null && break; sleep 0.25; done
+scancel "$jid"                             # SIGTERM to every task, SIGKILL KillWait (30 s) later
+for i in $(seq 480); do
+  scontrol show job "$jid" | grep -q "JobState=CANCELLED" && sinfo -h -o %T | grep -qx idle && break
+  sleep 0.25
+done
+sleep 5                                    # a requeue (what the bug did) would show by now: PENDING, Restarts=1
+scontrol show job "$jid" | grep -o "JobState=[A-Z]*\|Restarts=[0-9]*"
+cat "$out"
+"""
+
+
+@pytest.mark.slurm
+@needs_slurm
+def test_real_slurm_scancel_saves_and_does_not_requeue(image_dataset, tmp_path):
+    """`scancel` of a running examples/slurm/train.sbatch job (which runs train.py --requeue) on a one-node Slurm
+    cluster: SIGTERM reaches train.py, which saves at the next step and exits; the job stays cancelled. Found by the
+    Slurm review: a SIGTERM requeued the job like the warning does, so a job the user cancelled ran again."""
+    work = tmp_path / "job"
+    work.mkdir()
+    job_env = {**env(), "WORK": str(work), "DATA": str(image_dataset), "CKPT": str(tmp_path / "ck"),
+               "PYTHON": sys.executable, "FASTIO": str(REPO),
+               "TRAIN_ARGS": "--steps 400 --every-steps 1000 --loader-threads 1 --step-delay 0.1"}
+    out = on_one_node(tmp_path, SCANCEL_JOB, job_env)
+    assert "JobState=CANCELLED" in out and "Restarts=0" in out, out
+    assert "restart 1" not in out, out
+    saved = [e.step for e in scan.committed(tmp_path / "ck")]  # --every-steps 1000: only the SIGTERM's save
+    assert len(saved) == 1 and 4 <= saved[0] < 400, (saved, out)
+    assert catalog.verify(tmp_path / "ck") == [], out
 
 
 def test_train_on_a_dataset_without_labels_is_one_line(tmp_path):

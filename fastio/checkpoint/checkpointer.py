@@ -47,7 +47,7 @@ from fastio.checkpoint.engines import choose_engine, get_engine
 from fastio.checkpoint.engines.base import Engine, first_line
 from fastio.checkpoint.engines.strict import optimizer_classes
 from fastio.checkpoint.group import RankGroup
-from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job
+from fastio.checkpoint.preemption import PreemptionFlag, requeue_slurm_job, warn_if_nothing_requeues
 from fastio.checkpoint.record import CommitInfo, Progress
 from fastio.checkpoint.restore import (
     LOADER_POLICIES,
@@ -211,6 +211,8 @@ class Checkpointer:
         self.last_write_s = 0.0
         """Seconds the last completed background write took, from start to commit."""
         self._flag = PreemptionFlag(self.config.signals)
+        if self.config.requeue and self.rank == 0:
+            warn_if_nothing_requeues(self.config.signals)
 
     def _start_commit(self) -> None:
         """The ranks that see this rank's directory (all, except for an ``s3://`` dir staged node-locally: a
@@ -285,7 +287,8 @@ class Checkpointer:
         return self.config.preempted_exit_code if self.preempted else 0
 
     def request_preemption(self) -> None:
-        """Act as if a preemption signal had arrived (the next ``maybe_save`` saves and sets ``preempted``)."""
+        """Act as if a preemption warning (SIGUSR1) had arrived: the next ``maybe_save`` saves and sets ``preempted``
+        (and requeues the Slurm job with ``requeue=True``)."""
         self._flag.request()
 
     def maybe_save(self, step: int, app: dict[str, Any], *, metrics: dict[str, float] | None = None,
@@ -307,15 +310,16 @@ class Checkpointer:
         if self.config.every_seconds > 0 and time.monotonic() - self._last_time >= self.config.every_seconds:
             due = due or self.rank == 0
         busy = self._thread is not None and self._thread.is_alive()
-        preempt, due, busy = self._ranks.enter("maybe_save", flags=(self._flag.requested, due, busy),
-                                               label=f"maybe_save at step {step}")
+        preempt, due, busy, requeue = self._ranks.enter(
+            "maybe_save", flags=(self._flag.requested, due, busy, self._flag.requeue_wanted),
+            label=f"maybe_save at step {step}")
         if step == self._last_step and not preempt:
             return False
         if preempt:
             self._save(step, app, metrics, epoch, blocking=True)
             self._flag.clear()  # acted on; a later signal asks again
             self.preempted = True
-            if self.config.requeue and self.rank == 0:
+            if requeue and self.config.requeue and self.rank == 0:  # a warning came, not only SIGTERM (scancel)
                 requeue_slurm_job()
             return True
         if not due:

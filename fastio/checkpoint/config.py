@@ -49,7 +49,10 @@ class CheckpointConfig:
     SIGSTOP, which no handler can catch, are refused."""
 
     requeue: bool = False
-    """After a preemption save under Slurm, rank 0 runs ``scontrol requeue <job id>``."""
+    """After a preemption save under Slurm that a warning asked for (SIGUSR1: ``#SBATCH --signal=B:USR1@120``;
+    any signal of ``signals`` but SIGTERM, SIGINT, SIGHUP and SIGQUIT, on any rank), rank 0 runs ``scontrol requeue
+    <job id>``. SIGTERM alone (``scancel``, the end of the time limit) saves and does not requeue; ``signals`` that
+    could never requeue (SIGTERM only) get one warning."""
 
     preempted_exit_code: int = 0
     """The exit status a preempted run should end with: ``sys.exit(ckpt.exit_code)`` gives this after a

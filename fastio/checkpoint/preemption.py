@@ -1,4 +1,8 @@
-"""Preemption: signals that only set a flag, and Slurm requeue of the current job."""
+"""Preemption: signals that only set a flag, and Slurm requeue of the current job.
+
+Which signal came decides whether a requeue is wanted (:data:`NO_REQUEUE`): Slurm's warning before a time limit or
+a preemption (``#SBATCH --signal=B:USR1@120``) asks for one; SIGTERM, what ``scancel`` (and the end of the time
+limit) sends, asks the job to end: it saves, but a job the user cancelled must not come back."""
 
 from __future__ import annotations
 
@@ -10,9 +14,22 @@ import subprocess
 import threading
 from collections.abc import Mapping
 
-__all__ = ["PreemptionFlag", "requeue_slurm_job", "slurm_job_id"]
+__all__ = ["NO_REQUEUE", "PreemptionFlag", "requeue_slurm_job", "slurm_job_id", "warn_if_nothing_requeues"]
 
 log = logging.getLogger(__name__)
+
+NO_REQUEUE = frozenset({signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT})
+"""Signals that ask the process to end (``scancel``, Ctrl-C on ``srun``, a hang-up): a preemption save, never a
+requeue. Any other signal of ``signals=`` (SIGUSR1: Slurm's warning) is a warning, and requeues."""
+
+
+def warn_if_nothing_requeues(signals: tuple[str, ...]) -> None:
+    """One warning when ``requeue=True`` meets ``signals`` (names) that are all in :data:`NO_REQUEUE`: none of them
+    will requeue (``signals=()``, where the app calls ``request_preemption()`` itself, is not warned about)."""
+    if signals and all(signal.Signals[name] in NO_REQUEUE for name in signals):
+        log.warning("fastio: Checkpointer(requeue=True, signals=%s): none of these signals requeues the Slurm job "
+                    "(they ask it to end: scancel sends SIGTERM); add Slurm's warning, SIGUSR1, and "
+                    "#SBATCH --signal=B:USR1@120", ", ".join(signals))
 
 
 class PreemptionFlag:
@@ -23,7 +40,8 @@ class PreemptionFlag:
     """
 
     def __init__(self, signals: tuple[str, ...]):
-        self.signum: int | None = None
+        self.signums: set[int] = set()
+        """The signals that came since the last :meth:`clear`."""
         self._previous: dict[int, object] = {}
         if signals and threading.current_thread() is threading.main_thread():
             for name in signals:
@@ -36,16 +54,21 @@ class PreemptionFlag:
 
     @property
     def requested(self) -> bool:
-        return self.signum is not None
+        return bool(self.signums)
+
+    @property
+    def requeue_wanted(self) -> bool:
+        """A warning came (a signal not in :data:`NO_REQUEUE`), whatever came after it."""
+        return any(s not in NO_REQUEUE for s in self.signums)
 
     def request(self, signum: int = signal.SIGUSR1) -> None:
-        self.signum = int(signum)
+        self.signums.add(int(signum))
 
     def clear(self) -> None:
-        self.signum = None
+        self.signums.clear()
 
     def _handler(self, signum, frame) -> None:
-        self.signum = signum
+        self.signums.add(signum)
 
     def uninstall(self) -> None:
         if threading.current_thread() is threading.main_thread():
@@ -79,7 +102,8 @@ def requeue_slurm_job(env: Mapping[str, str] | None = None, timeout: float = 60.
         log.warning("fastio: scontrol requeue %s failed: %s", job, err)
         return False
     if proc.returncode != 0:
-        log.warning("fastio: scontrol requeue %s exited %d: %s", job, proc.returncode,
-                    (proc.stderr or proc.stdout).strip().splitlines()[-1:] or "")
+        said = (proc.stderr or proc.stdout).strip().splitlines()
+        log.warning("fastio: scontrol requeue %s exited %d: %s; the job is not requeued (resubmit it to resume)",
+                    job, proc.returncode, said[-1] if said else "no message")
         return False
     return True
