@@ -265,6 +265,27 @@ def test_cli_summary_line_and_quiet(tmp_path, image_folder, capsys):
     assert capsys.readouterr() == ("", "")
 
 
+def test_summary_of_a_flat_image_folder_says_it_has_no_labels(tmp_path, capsys):
+    """Found by the newcomer review: a folder of images with no class folders converted (as loose files) with a
+    summary that said nothing about labels, and the training script failed far from the cause. The summary says so
+    now, and how to label them; the conversion still succeeds (a dataset without labels is legitimate)."""
+    (tmp_path / "flat").mkdir()
+    for k in range(3):
+        Image.new("RGB", (8, 8), (40 * k, 0, 0)).save(tmp_path / "flat" / f"p{k}.png")
+    assert main(["convert", str(tmp_path / "flat"), str(tmp_path / "ds")]) == 0
+    out, _ = capsys.readouterr()
+    assert out.count("\n") == 1
+    assert out.rstrip().endswith(f"; no labels: images directly in {tmp_path / 'flat'}; put them in one folder per "
+                                 "class to label them"), out
+    assert Dataset(tmp_path / "ds").num_classes is None
+
+
+def test_summary_of_a_labelled_source_says_nothing_of_missing_labels(tmp_path, image_folder, capsys):
+    assert main(["convert", str(image_folder), str(tmp_path / "a"), "--quiet"]) == 0
+    result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "b", workers=1, progress=False))
+    assert "no labels" not in result.summary()
+
+
 def test_progress_bar_on_a_real_terminal(tmp_path, image_folder):
     """stderr is a pseudo-terminal: the bar shows samples and MB/s, then the summary line follows."""
     import fcntl

@@ -323,12 +323,22 @@ class ConvertResult:
             rule = f"{rule} ({count(classes, 'class', 'classes')}, {LABEL_RULES[rule]})"
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"
-        labels = f"; labels: {rule}" if rule else ""
+        labels = f"; labels: {rule}" if rule else self._unlabelled()
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{self._trained()}{renamed_line(self.renamed)}"
                 f"{transcoded_line(self.transcoded)}"
                 + skipped_lines(self.skipped, more, words=words))
+
+    def _unlabelled(self) -> str:
+        """A folder of images with no class folders (converted as loose files, without ``cls`` files): the summary's
+        note that it has no labels and how to give them, since a classifier's script fails far from the cause;
+        nothing for any other source."""
+        first = next(iter(self.manifests.values()), None)
+        if self.format != "files" or first is None or first.image_field is None:
+            return ""
+        source = (first.converted_from or {}).get("path", "SOURCE")
+        return f"; no labels: images directly in {source}; put them in one folder per class to label them"
 
     def _trained(self) -> str:
         """An image-text conversion's trained tokens (:attr:`ImageTextInfo.trained_tokens` of every dataset written),
