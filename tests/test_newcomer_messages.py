@@ -205,6 +205,26 @@ def test_a_mistyped_dataset_folder_names_the_nearest_one(tmp_path, image_dataset
     assert err == f"fastio: error: {image_dataset.parent / 'zzz'}: no such dataset directory\n", err
 
 
+def test_a_split_the_conversion_did_not_make_names_the_splits_there_are(tmp_path, image_folder, capsys):
+    """Found by the newcomer review: Loader('ds/test') of a DEST converted with train/val said only 'no such dataset
+    directory'. It names the split and lists the ones splits.json has; a split listed whose folder was removed is
+    named as such."""
+    from fastio.convert.run import ConvertConfig, convert
+
+    ds = tmp_path / "ds"
+    convert(ConvertConfig(source=image_folder, dest=ds, split="train=0.75,val=0.25", workers=1, progress=False))
+    with pytest.raises(DatasetError, match=rf"^{ds / 'test'}: no split 'test' in {ds} \(its splits.json lists train, "
+                                           r"val\)$"):
+        Loader(str(ds / "test"), batch_size=4, device="cpu")
+    code, _, err = run_cli(["verify", str(ds / "test")], capsys)
+    assert code == 2 and err == f"fastio: error: {ds / 'test'}: no split 'test' in {ds} (its splits.json lists " \
+                                "train, val)\n", err
+    shutil.rmtree(ds / "val")
+    with pytest.raises(DatasetError, match=rf"^{ds / 'val'}: a split {ds}/splits.json lists, but its folder is "
+                                           "missing"):
+        Dataset(ds / "val")
+
+
 def test_an_empty_folder_is_named_as_such(tmp_path, capsys):
     # Found by the newcomer review (round 4): Loader('empty') said 'not a fastio dataset (no manifest.json; an
     # interrupted conversion?)': nothing was ever converted there.

@@ -649,8 +649,8 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if dest.is_file():
         return file_not_dataset(dest)
     if not dest.is_dir():
-        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or no_such_dataset(
-            dest, _folders(dest.parent))
+        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or \
+            _missing_split(dest) or no_such_dataset(dest, _folders(dest.parent))
     unfinished = unfinished_run(dest)
     if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
         return unfinished
@@ -665,6 +665,22 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if not any(os.scandir(dest)):
         return empty_not_dataset(dest)
     return no_dataset(dest)
+
+
+def _missing_split(dest: Path) -> DatasetError | None:
+    """The error for a missing folder ``dest`` whose parent is a DEST converted with ``split``: the split is not one
+    its ``splits.json`` lists (naming those), or is and its folder was removed. None for any other folder."""
+    try:
+        names = split_names(dest.parent)
+    except DatasetError:  # a splits.json that is not fastio's: the folder is just missing
+        return None
+    if names is None:
+        return None
+    if dest.name in names:
+        return DatasetError(f"{dest}: a split {dest.parent / SPLITS_NAME} lists, but its folder is missing "
+                            "(removed or moved?): convert the source again")
+    return DatasetError(f"{dest}: no split {dest.name!r} in {dest.parent} (its {SPLITS_NAME} lists "
+                        f"{', '.join(names)})")
 
 
 def no_dataset(dest: str | Path) -> DatasetError:
