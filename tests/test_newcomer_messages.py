@@ -225,6 +225,28 @@ def test_a_split_the_conversion_did_not_make_names_the_splits_there_are(tmp_path
         Dataset(ds / "val")
 
 
+def test_a_folder_of_videos_or_audio_given_as_a_dataset_names_what_it_holds(tmp_path, capsys):
+    """Found by the newcomer review: Loader('clips') of a folder of .mp4/.webm files (class folders or not) and
+    `fastio verify clips` said 'not a fastio dataset (no manifest.json; an interrupted conversion?)', where a folder
+    of images names `fastio convert`. Now: what was found, the command, and the pipeline that reads it."""
+    from fastio import ImageTrain
+
+    for name in ("a/v0.mp4", "b/v1.webm"):
+        (tmp_path / "clips" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "clips" / name).write_bytes(b"not looked at")
+    (tmp_path / "sounds").mkdir()
+    (tmp_path / "sounds" / "s0.flac").write_bytes(b"x")
+    clips, sounds = tmp_path / "clips", tmp_path / "sounds"
+    said = (f"{clips}: a folder of videos (.mp4/.webm files), not a dataset: convert it with `fastio convert {clips} "
+            "DEST`, then read DEST with fastio.VideoClips (docs/media.md)")
+    with pytest.raises(DatasetError, match=f"^{re.escape(said)}$"):
+        Loader(str(clips), batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    assert run_cli(["verify", str(clips)], capsys)[1:] == ("", f"fastio: error: {said}\n")
+    with pytest.raises(DatasetError, match=re.escape(f"{sounds}: a folder of audio (.flac files), not a dataset: "
+                                                     "convert it with ")):
+        Dataset(sounds)
+
+
 def test_an_empty_folder_is_named_as_such(tmp_path, capsys):
     # Found by the newcomer review (round 4): Loader('empty') said 'not a fastio dataset (no manifest.json; an
     # interrupted conversion?)': nothing was ever converted there.

@@ -32,6 +32,7 @@ from fastio.dataset.manifest import (
     holds_pairs,
     images_not_dataset,
     load_manifest,
+    media_not_dataset,
     no_dataset,
     no_such_dataset,
     pairs_not_dataset,
@@ -215,7 +216,8 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
         except StorageError:  # deleted since it was listed (the run's cleanup): what else is there is no source
             return None
     pairs = holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")})
-    holds = holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1])
+    tops = [k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1]
+    holds = holds_of(tops)
     tars = "tar" in holds
     if pairs or tars:
         unfinished = unfinished_split_of(url, options)  # its shards are part of the source only: not `fastio index`
@@ -228,7 +230,7 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
         return holds_datasets(url, "dataset", datasets)
     if tars:
         return tars_not_dataset(url)
-    return images_not_dataset(url) if "image" in holds else None
+    return images_not_dataset(url) if "image" in holds else media_not_dataset(url, tops)
 
 
 def unfinished_split_of(url: str, options: StorageOptions | dict | None) -> DatasetError | None:

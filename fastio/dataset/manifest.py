@@ -25,6 +25,7 @@ from fastio.errors import DatasetError
 from fastio.formats.image_text import options_tokenizer_sha256
 from fastio.formats.images import is_image_field
 from fastio.formats.labels import LABEL_RULES
+from fastio.formats.media import is_audio_field, is_video_field
 from fastio.formats.token_mask import MASK_FORMAT
 from fastio.formats.wds import is_field_name, is_plain_name
 from fastio.storage.atomic import atomic_write_bytes
@@ -44,6 +45,7 @@ __all__ = [
     "file_of_dataset",
     "holds_datasets",
     "images_not_dataset",
+    "media_not_dataset",
     "no_dataset",
     "no_such_dataset",
     "empty_not_dataset",
@@ -657,11 +659,15 @@ def not_a_dataset(dest: Path) -> DatasetError:
     datasets = [n for n in _folders(dest)[:64] if _is_dataset(dest / n)]
     if datasets:  # before the tars: a dataset indexed in place holds its tars
         return holds_datasets(dest, "dataset", datasets)
-    holds = _holds(dest)
+    names = _names(dest)
+    holds = holds_of(names)
     if "tar" in holds:
         return tars_not_dataset(dest)
     if "image" in holds:
         return images_not_dataset(dest)
+    media = media_not_dataset(dest, names)
+    if media is not None:
+        return media
     if not any(os.scandir(dest)):
         return empty_not_dataset(dest)
     return no_dataset(dest)
@@ -714,6 +720,20 @@ def images_not_dataset(dest: str | Path) -> DatasetError:
                             f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
     return DatasetError(f"{dest}: a folder of images, not a dataset: copy it to a local folder and convert that with "
                         "`fastio convert FOLDER DEST`, then give DEST")
+
+
+def media_not_dataset(dest: str | Path, names: Sequence[str]) -> DatasetError | None:
+    """The error for a folder (or an ``s3://`` prefix) of videos or audio files (files of these ``names``) given as
+    a dataset: what was found, the command that converts it and the pipeline that reads the result; None when it
+    holds neither."""
+    for what, pipeline, holds in (("videos", "VideoClips", is_video_field), ("audio", "AudioClips", is_audio_field)):
+        found = sorted({"." + n.rsplit(".", 1)[-1].lower() for n in names[:LOOK_AT] if "." in n and holds(n)})
+        if found:
+            convert = (f"convert it with `fastio convert {shlex.quote(str(dest))} DEST`" if isinstance(dest, Path)
+                       else "copy it to a local folder and convert that with `fastio convert FOLDER DEST`")
+            return DatasetError(f"{dest}: a folder of {what} ({'/'.join(found)} files), not a dataset: {convert}, "
+                                f"then read DEST with fastio.{pipeline} (docs/media.md)")
+    return None
 
 
 def holds_datasets(dest: str | Path, what: str, names: Sequence[str]) -> DatasetError:
@@ -867,9 +887,9 @@ def _read_head(path: Path) -> bytes:
         return b""
 
 
-def _holds(folder: Path) -> set[str]:
-    """What a folder and its sub-folders hold (:func:`holds_of`; a bounded look; an unreadable folder holds
-    nothing)."""
+def _names(folder: Path) -> list[str]:
+    """The names of the files in a folder and its sub-folders, for :func:`holds_of` (a bounded look; an unreadable
+    folder holds nothing)."""
     names: list[str] = []
     try:
         subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -877,7 +897,7 @@ def _holds(folder: Path) -> set[str]:
             names += os.listdir(sub)[:LOOK_AT]
     except OSError:
         pass
-    return holds_of(names)
+    return names
 
 
 def holds_of(names: list[str]) -> set[str]:
