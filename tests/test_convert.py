@@ -315,6 +315,18 @@ def test_summary_of_a_flat_image_folder_says_it_has_no_labels(tmp_path, capsys):
     assert Dataset(tmp_path / "ds").num_classes is None
 
 
+def test_summary_of_a_flat_folder_of_videos_says_it_has_no_labels(tmp_path, capsys):
+    """The same for a folder of videos with no class folders (the note named only images)."""
+    from fastio.convert.synthetic import make_video
+
+    for k in range(2):
+        make_video(tmp_path / "flat" / f"v{k}.webm", frames=4)
+    assert main(["convert", str(tmp_path / "flat"), str(tmp_path / "ds"), "--workers", "1"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.rstrip().endswith(f"; no labels: videos directly in {tmp_path / 'flat'}; put them in one folder per "
+                                 "class to label them"), out
+
+
 def test_summary_of_a_labelled_source_says_nothing_of_missing_labels(tmp_path, image_folder, capsys):
     assert main(["convert", str(image_folder), str(tmp_path / "a"), "--quiet"]) == 0
     result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "b", workers=1, progress=False))
