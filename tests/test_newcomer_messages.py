@@ -180,6 +180,17 @@ def test_index_of_an_image_folder_names_fastio_convert(image_folder, capsys):
                                  f"is converted, not indexed: `fastio convert {image_folder} DEST`\n"), err
 
 
+def test_index_of_a_folder_of_videos_names_fastio_convert(tmp_path, capsys):
+    # Found by the newcomer review: `fastio index clips` of a folder of videos said only 'holds no .tar files'.
+    (tmp_path / "clips" / "a").mkdir(parents=True)
+    (tmp_path / "clips" / "a" / "v0.mp4").write_bytes(b"x")
+    (tmp_path / "clips" / "v1.webm").write_bytes(b"x")
+    code, _, err = run_cli(["index", str(tmp_path / "clips")], capsys)
+    assert code == 2 and err == (f"fastio: error: {tmp_path / 'clips'}: holds no .tar files but videos (.mp4/.webm "
+                                 "files): a folder of videos is converted, not indexed: "
+                                 f"`fastio convert {tmp_path / 'clips'} DEST`\n"), err
+
+
 def test_the_commands_named_for_a_folder_with_a_space_are_quoted(tmp_path, shards, image_folder, capsys):
     # Found by the newcomer review (round 4): `fastio index my wds` (the command the message named, pasted) indexes
     # two folders, 'my' and 'wds'.

@@ -46,6 +46,7 @@ __all__ = [
     "holds_datasets",
     "images_not_dataset",
     "media_not_dataset",
+    "media_of",
     "no_dataset",
     "no_such_dataset",
     "empty_not_dataset",
@@ -726,13 +727,24 @@ def media_not_dataset(dest: str | Path, names: Sequence[str]) -> DatasetError | 
     """The error for a folder (or an ``s3://`` prefix) of videos or audio files (files of these ``names``) given as
     a dataset: what was found, the command that converts it and the pipeline that reads the result; None when it
     holds neither."""
+    media = media_of(names)
+    if media is None:
+        return None
+    what, found, pipeline = media
+    convert = (f"convert it with `fastio convert {shlex.quote(str(dest))} DEST`" if isinstance(dest, Path)
+               else "copy it to a local folder and convert that with `fastio convert FOLDER DEST`")
+    return DatasetError(f"{dest}: a folder of {what} ({found} files), not a dataset: {convert}, then read DEST with "
+                        f"fastio.{pipeline} (docs/media.md)")
+
+
+def media_of(names: Sequence[str]) -> tuple[str, str, str] | None:
+    """What files of these ``names`` (the first :data:`LOOK_AT`) are when videos or audio: ``("videos",
+    ".mp4/.webm", "VideoClips")`` (the suffixes found, the pipeline that reads them), or ``("audio", ...,
+    "AudioClips")``; None for neither."""
     for what, pipeline, holds in (("videos", "VideoClips", is_video_field), ("audio", "AudioClips", is_audio_field)):
         found = sorted({"." + n.rsplit(".", 1)[-1].lower() for n in names[:LOOK_AT] if "." in n and holds(n)})
         if found:
-            convert = (f"convert it with `fastio convert {shlex.quote(str(dest))} DEST`" if isinstance(dest, Path)
-                       else "copy it to a local folder and convert that with `fastio convert FOLDER DEST`")
-            return DatasetError(f"{dest}: a folder of {what} ({'/'.join(found)} files), not a dataset: {convert}, "
-                                f"then read DEST with fastio.{pipeline} (docs/media.md)")
+            return what, "/".join(found), pipeline
     return None
 
 
