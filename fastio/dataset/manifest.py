@@ -47,6 +47,7 @@ __all__ = [
     "images_not_dataset",
     "media_not_dataset",
     "media_of",
+    "missing_split",
     "no_dataset",
     "no_such_dataset",
     "empty_not_dataset",
@@ -681,13 +682,19 @@ def _missing_split(dest: Path) -> DatasetError | None:
         names = split_names(dest.parent)
     except DatasetError:  # a splits.json that is not fastio's: the folder is just missing
         return None
+    return missing_split(dest, dest.parent, dest.name, names)
+
+
+def missing_split(dest: str | Path, parent: str | Path, name: str, names: Sequence[str] | None) -> DatasetError | None:
+    """The error for a missing folder (or an empty ``s3://`` prefix) ``dest``, named ``name`` in ``parent``, a DEST
+    converted with ``split`` whose ``splits.json`` lists ``names`` (None: ``parent`` is no such DEST, and this is
+    None too): the split is not one it lists (naming those), or is and its folder was removed."""
     if names is None:
         return None
-    if dest.name in names:
-        return DatasetError(f"{dest}: a split {dest.parent / SPLITS_NAME} lists, but its folder is missing "
-                            "(removed or moved?): convert the source again")
-    return DatasetError(f"{dest}: no split {dest.name!r} in {dest.parent} (its {SPLITS_NAME} lists "
-                        f"{', '.join(names)})")
+    if name in names:
+        return DatasetError(f"{dest}: a split {str(parent).rstrip('/')}/{SPLITS_NAME} lists, but its folder is "
+                            "missing (removed or moved?): convert the source again")
+    return DatasetError(f"{dest}: no split {name!r} in {parent} (its {SPLITS_NAME} lists {', '.join(names)})")
 
 
 def no_dataset(dest: str | Path) -> DatasetError:
