@@ -6,6 +6,7 @@ in a deterministic order, without having read any image.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from fastio.converters import files, imagefolder, parquet, table
@@ -19,6 +20,18 @@ __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanR
 FORMATS = ("imagefolder", "csv", "jsonl", "parquet", "files")
 TABLE_FORMATS = ("csv", "jsonl", "parquet")
 """The formats whose rows the table options of :class:`ScanOptions` (columns, label rule, root) apply to."""
+
+
+def _refuse_split(source: Path) -> None:
+    """ConvertError for an image folder already split (:func:`imagefolder.splits`): labelled by its folders, every
+    label would be a split's name. Names each split's command; ``format='imagefolder'`` labels by them anyway."""
+    names = imagefolder.splits(source)
+    if not names:
+        return
+    commands = " and ".join(f"`fastio convert {shlex.quote(str(source / n))} DEST/{n}`" for n in names)
+    raise ConvertError(f"{source}: already split: {', '.join(names)} hold class folders, not images (as labels they "
+                       f"would be the split names): convert each split, {commands} (their class folders named alike, "
+                       "so that their labels agree), or give format='imagefolder' to label by these folders")
 
 
 def detect(source: Path) -> str:
@@ -36,6 +49,7 @@ def detect(source: Path) -> str:
                 raise ConvertError(f"{source}: cannot tell the format: class folders of images, and a table beside "
                                    f"them ({', '.join(tables[:3])}): give the table as SOURCE ({source / tables[0]}) "
                                    "to convert its rows, or format='imagefolder' to label images by their folder")
+            _refuse_split(source)
             return imagefolder.NAME
         stray = imagefolder.strays(source)
         if stray:

@@ -278,6 +278,31 @@ def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
         assert [(s.path, s.reason, s.error) for s in result.skipped] == [("t.csv:3", message, True)]
 
 
+def test_a_folder_already_split_is_not_labelled_by_its_split_names(tmp_path, capsys):
+    """Found by the newcomer review: `fastio convert images ds` of a dataset already split (images/train/<class>/,
+    images/val/<class>/, as ImageNet and most downloads come) converted it as 2 classes, 'train' and 'val': every
+    label the split's name, and nothing said. Detection refuses now, naming the splits and the commands;
+    format='imagefolder' given still labels by those folders."""
+    from fastio.cli import main
+    from fastio.convert.synthetic import make_imagefolder
+
+    make_imagefolder(tmp_path / "images" / "train", classes=3, per_class=2)
+    make_imagefolder(tmp_path / "images" / "val", classes=3, per_class=1)
+    src = tmp_path / "images"
+    said = (f"{src}: already split: train, val hold class folders, not images (as labels they would be the split "
+            f"names): convert each split, `fastio convert {src / 'train'} DEST/train` and "
+            f"`fastio convert {src / 'val'} DEST/val` (their class folders named alike, so that their labels agree), "
+            "or give format='imagefolder' to label by these folders")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(src)
+    assert str(err.value) == said
+    assert main(["convert", str(src), str(tmp_path / "ds")]) == 2
+    told = said.replace("format='imagefolder'", "--format imagefolder")
+    assert capsys.readouterr().err == f"fastio: error: {told}\n"
+    assert converters.scan(src, "imagefolder").label_map == {"train": 0, "val": 1}
+    assert converters.scan(src / "train").label_map == converters.scan(src / "val").label_map
+
+
 def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):
     """One `preview.jpg` beside the class folders made detection call the whole image folder loose files: every image
     packed with no label, the classes gone, and nothing said. Detection now refuses to guess, naming the file and
