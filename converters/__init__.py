@@ -10,8 +10,9 @@ import shlex
 from pathlib import Path
 
 from fastio.converters import files, imagefolder, parquet, table
-from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
+from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip, image_field_for_suffix
 from fastio.errors import ConvertError
+from fastio.formats.media import is_video_field, media_field_for_suffix
 from fastio.words import agree, count
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
@@ -72,8 +73,23 @@ def detect(source: Path) -> str:
         return fmt
     if parquet.detect(source):
         return parquet.NAME
+    what = _media_file(source)
+    if what:
+        raise ConvertError(f"{source}: {what[0]}, not a source: give the folder of {what[1]} that holds it "
+                           f"({source.parent}), or a table naming the files")
     raise ConvertError(f"{source}: cannot tell the format from suffix {source.suffix!r}; give format=NAME"
                        f" ({', '.join(FORMATS)})")
+
+
+def _media_file(source: Path) -> tuple[str, str] | None:
+    """What a file of an image, video or audio suffix is, and its plural (``("an image file", "images")``), for one
+    given where a source is (a folder of them, or a table naming them); None for any other."""
+    if image_field_for_suffix(source.suffix):
+        return "an image file", "images"
+    field = media_field_for_suffix(source.suffix)
+    if field is None:
+        return None
+    return ("a video file", "videos") if is_video_field(field) else ("an audio file", "audio files")
 
 
 def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = None) -> ScanResult:

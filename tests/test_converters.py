@@ -178,6 +178,12 @@ def test_files_grouped_by_basename(tmp_path, image_folder):
     (lambda d: d / "missing", r"missing: no such file or directory"),
     (lambda d: (d / "empty").mkdir() or d / "empty", r"empty: source directory is empty"),
     (lambda d: (d / "x.bin").write_bytes(b"1") and d / "x.bin", r"x.bin: cannot tell the format"),
+    # found by the newcomer review: one image (video) given as SOURCE was told to give format=NAME, where every
+    # format but a table's wants a folder
+    (lambda d: (d / "a").mkdir() or (d / "a" / "x.jpg").write_bytes(b"1") and d / "a" / "x.jpg",
+     r"^\S+/a/x.jpg: an image file, not a source: give the folder of images that holds it \(\S+/a\), or a table "
+     r"naming the files$"),
+    (lambda d: (d / "v.mp4").write_bytes(b"1") and d / "v.mp4", r"v.mp4: a video file, not a source: give the folder"),
 ])
 def test_detect_errors_name_the_source(tmp_path, make, message):
     with pytest.raises(ConvertError, match=message):
