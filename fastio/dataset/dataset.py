@@ -160,7 +160,8 @@ class Dataset:
         if classes is None:
             raise DatasetError(f"{self.root}: a dataset without labels (converted from a folder with no class "
                                "folders, or shards without a label field): a classifier needs labels: put the "
-                               "images in one folder per class and convert again")
+                               "images in one folder per class and convert again (shards: a .cls member in each "
+                               "sample, then fastio index)")
         return classes
 
     def _largest_label(self, shard: Shard) -> int:
