@@ -30,7 +30,8 @@ def _refuse_split(source: Path) -> None:
     if not names:
         return
     commands = " and ".join(f"`fastio convert {shlex.quote(str(source / n))} DEST/{n}`" for n in names)
-    raise ConvertError(f"{source}: already split: {', '.join(names)} hold class folders, not images (as labels they "
+    holds = agree(len(names), "holds", "hold")
+    raise ConvertError(f"{source}: already split: {', '.join(names)} {holds} class folders, not images (as labels they "
                        f"would be the split names): convert each split, {commands} (their class folders named alike, "
                        "so that their labels agree), or give format='imagefolder' to label by these folders")
 

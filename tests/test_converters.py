@@ -307,6 +307,9 @@ def test_a_folder_already_split_is_not_labelled_by_its_split_names(tmp_path, cap
     assert capsys.readouterr().err == f"fastio: error: {told}\n"
     assert converters.scan(src, "imagefolder").label_map == {"train": 0, "val": 1}
     assert converters.scan(src / "train").label_map == converters.scan(src / "val").label_map
+    make_imagefolder(tmp_path / "one" / "Train", classes=2, per_class=1)
+    with pytest.raises(ConvertError, match=r"one: already split: Train holds class folders, not images"):
+        converters.scan(tmp_path / "one")
 
 
 def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):
