@@ -6,11 +6,13 @@ in a deterministic order, without having read any image.
 
 from __future__ import annotations
 
+import shlex
 from pathlib import Path
 
 from fastio.converters import files, imagefolder, parquet, table
-from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip
+from fastio.converters.base import Entry, FileRef, ScanOptions, ScanResult, Skip, image_field_for_suffix
 from fastio.errors import ConvertError
+from fastio.formats.media import is_video_field, media_field_for_suffix
 from fastio.words import agree, count
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
@@ -19,6 +21,19 @@ __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanR
 FORMATS = ("imagefolder", "csv", "jsonl", "parquet", "files")
 TABLE_FORMATS = ("csv", "jsonl", "parquet")
 """The formats whose rows the table options of :class:`ScanOptions` (columns, label rule, root) apply to."""
+
+
+def _refuse_split(source: Path) -> None:
+    """ConvertError for an image folder already split (:func:`imagefolder.splits`): labelled by its folders, every
+    label would be a split's name. Names each split's command; ``format='imagefolder'`` labels by them anyway."""
+    names = imagefolder.splits(source)
+    if not names:
+        return
+    commands = " and ".join(f"`fastio convert {shlex.quote(str(source / n))} DEST/{n}`" for n in names)
+    holds = agree(len(names), "holds", "hold")
+    raise ConvertError(f"{source}: already split: {', '.join(names)} {holds} class folders, not images (as labels they "
+                       f"would be the split names): convert each split, {commands} (their class folders named alike, "
+                       "so that their labels agree), or give format='imagefolder' to label by these folders")
 
 
 def detect(source: Path) -> str:
@@ -36,6 +51,7 @@ def detect(source: Path) -> str:
                 raise ConvertError(f"{source}: cannot tell the format: class folders of images, and a table beside "
                                    f"them ({', '.join(tables[:3])}): give the table as SOURCE ({source / tables[0]}) "
                                    "to convert its rows, or format='imagefolder' to label images by their folder")
+            _refuse_split(source)
             return imagefolder.NAME
         stray = imagefolder.strays(source)
         if stray:
@@ -58,8 +74,23 @@ def detect(source: Path) -> str:
         return fmt
     if parquet.detect(source):
         return parquet.NAME
+    what = _media_file(source)
+    if what:
+        raise ConvertError(f"{source}: {what[0]}, not a source: give the folder of {what[1]} that holds it "
+                           f"({source.parent}), or a table naming the files")
     raise ConvertError(f"{source}: cannot tell the format from suffix {source.suffix!r}; give format=NAME"
                        f" ({', '.join(FORMATS)})")
+
+
+def _media_file(source: Path) -> tuple[str, str] | None:
+    """What a file of an image, video or audio suffix is, and its plural (``("an image file", "images")``), for one
+    given where a source is (a folder of them, or a table naming them); None for any other."""
+    if image_field_for_suffix(source.suffix):
+        return "an image file", "images"
+    field = media_field_for_suffix(source.suffix)
+    if field is None:
+        return None
+    return ("a video file", "videos") if is_video_field(field) else ("an audio file", "audio files")
 
 
 def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = None) -> ScanResult:

@@ -27,7 +27,7 @@ from fastio.converters.base import (
 )
 from fastio.formats.media import media_field_for_suffix
 
-__all__ = ["NAME", "detect", "scan", "strays"]
+__all__ = ["NAME", "SPLIT_NAMES", "detect", "scan", "splits", "strays"]
 
 NAME = "imagefolder"
 
@@ -52,6 +52,24 @@ def detect(source: Path) -> bool:
             if path.is_file() and _field(path.suffix):
                 return True
     return False
+
+
+SPLIT_NAMES = frozenset({"train", "training", "val", "valid", "validation", "test", "testing", "dev", "eval"})
+"""Folder names of a dataset's splits (lowercased): an image folder whose every class folder is named so, and holds
+class folders of its own, is a dataset already split (:func:`splits`)."""
+
+
+def splits(source: Path) -> list[str]:
+    """The folders of ``source`` that are splits of a dataset already split (``images/train/<class>/``,
+    ``images/val/<class>/``): every visible folder is named as a split and holds a folder holding an image (video,
+    audio); ``[]`` for any other folder, whose labels would not be split names."""
+    folders = _visible_dirs(source)
+    if not folders or any(d.name.lower() not in SPLIT_NAMES for d in folders):
+        return []
+    for split in folders:
+        if not any(path.is_file() and _field(path.suffix) for sub in _visible_dirs(split) for path in sub.rglob("*")):
+            return []
+    return [d.name for d in folders]
 
 
 def strays(source: Path) -> list[str]:

@@ -370,8 +370,12 @@ def rows_to_result(
     entries: list[Entry] = []
     skipped: list[Skip] = []
     keys = Keys()
+    rows_of: dict[str, str] = {}  # a labelled table's files: the row that named each first
     for index, (lineno, row) in enumerate(rows):
-        got = _row_sample(t, row, f"{source.name}:{lineno}")
+        where = f"{source.name}:{lineno}"
+        got = _row_sample(t, row, where)
+        if not isinstance(got, Skip) and t.labels and t.path_col is not None:
+            got = _named_once(t, got, where, rows_of)
         if isinstance(got, Skip):
             skipped.append(got)
             continue
@@ -393,6 +397,20 @@ def rows_to_result(
                       description={"format": fmt, "path": str(source.resolve()), "options": options_desc},
                       label_map=t.label_map, label_field="cls" if t.labels else None, label_rule=t.rule,
                       renamed=keys.renamed)
+
+
+def _named_once(t: _Layout, got: tuple, where: str, rows_of: dict[str, str]) -> tuple | Skip:
+    """A labelled table's row ``got`` (:func:`_row_sample`), or the Skip of a row naming a file an earlier row named
+    (by its real path: ``./a.jpg``, ``a.jpg`` and a link to it are one file). A sample has one label: a file named
+    twice is a copied row, or a multi-label table written one row per label, which would pack the image twice."""
+    fields, origin, _ = got
+    ref = next(v for v in fields.values() if isinstance(v, FileRef))
+    real = os.path.realpath(ref.path)
+    if real in rows_of:
+        return Skip(where, f"path column {t.path_col!r}: {origin} is the file of {rows_of[real]} too: a labelled "
+                           "table names each file once (one sample, one label)", error=True)
+    rows_of[real] = where
+    return got
 
 
 def _key_text(value: str) -> str:

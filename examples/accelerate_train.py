@@ -77,11 +77,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = Loader(args.data, batch_size=args.batch_size, pipeline=ImageTrain(size=args.image_size), seed=args.seed,
                     device=accelerator.device.type, num_threads=1,
                     rank=accelerator.process_index, world_size=accelerator.num_processes)
-    if loader.dataset.num_classes is None:
-        raise FastioError(f"{args.data}: a dataset without labels (converted from a folder with no class "
-                          "folders, or shards without a label field): this example trains a classifier on its "
-                          "labels")
-    model = make_model(loader.dataset.num_classes)
+    model = make_model(loader.dataset.classifier_outputs())  # no labels: a DatasetError naming the dataset
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     model, optimizer = accelerator.prepare(model, optimizer)  # not the loader (see the docstring)
     accelerator.register_for_checkpointing(loader)

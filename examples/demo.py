@@ -2,8 +2,8 @@
 
     python examples/demo.py OUT
 
-OUT is made (or, made by an earlier demo, replaced: it holds a .fastio-demo file); a folder that holds anything
-else is refused, never deleted.
+OUT is made (or, made by an earlier demo, replaced: it holds a .fastio-demo file, or exactly the raw/, data/ and
+ckpt/ folders a demo made before that file existed); a folder that holds anything else is refused, never deleted.
 
 1. generate a 4-class image folder (deterministic, no download) under OUT/raw;
 2. `fastio convert` it into shards with a train/val split, `fastio verify --decode`, `fastio inspect --order`;
@@ -15,6 +15,7 @@ Exits non-zero when any step fails.
 
 from __future__ import annotations
 
+import re
 import shlex
 import shutil
 import subprocess
@@ -62,15 +63,51 @@ def next_steps(data: Path, out: Path) -> str:
             f"Then your own data: README.md, \"Your own data in 5 minutes\".")
 
 
+OLD_OUT = {"raw", "data", "ckpt", "quickstart-ckpt"}
+"""What a demo wrote in OUT before :data:`DEMO_MARK` existed (24ab31f to 40a488d): the image folder, its
+conversion, train.py's checkpoints, and the quickstart's that its closing hint makes."""
+
+
+def made_by_an_older_demo(out: Path) -> bool:
+    """Whether ``out`` holds exactly what a demo older than :data:`DEMO_MARK` wrote, by name, and nothing else:
+    ``raw/`` (4 class folders of ``<class>_NNNN.jpg``), ``data/`` (their conversion into train and val),
+    ``ckpt/`` (train.py's two runs: ``uninterrupted/`` and ``interrupted/``) and ``quickstart-ckpt/``, each of
+    ``step-N`` folders. Anything more (a file of the user's) and it is not."""
+    from fastio.convert.synthetic import class_name
+
+    def only(folder: Path, allowed) -> bool:  # a real folder whose entries are all allowed (a name or a test)
+        if folder.is_symlink() or not folder.is_dir():
+            return False
+        test = allowed if callable(allowed) else allowed.__contains__
+        return all(test(p.name) and not p.is_symlink() for p in folder.iterdir())
+
+    classes = [class_name(label) for label in range(4)]
+    splits = [out / "data" / split for split in ("train", "val")]
+    checkpoints = [out / "ckpt" / "uninterrupted", out / "ckpt" / "interrupted", out / "quickstart-ckpt"]
+    return (only(out, OLD_OUT) and (out / "raw").is_dir()
+            and only(out / "raw", classes)
+            and all(only(out / "raw" / c, re.compile(rf"{c}_00[0-6]\d\.jpg").fullmatch) for c in classes
+                    if (out / "raw" / c).exists())
+            and (not (out / "data").exists() or only(out / "data", {".fastio-lock", ".fastio-output",
+                                                                    "splits.json", "train", "val"}))
+            and all(only(split, {"manifest.json", "samples.fxi", "shards"}) for split in splits if split.exists())
+            and all(only(split / "shards", re.compile(r"shard-\d{6}\.(tar|idx)").fullmatch) for split in splits
+                    if (split / "shards").exists())
+            and (not (out / "ckpt").exists() or only(out / "ckpt", {"uninterrupted", "interrupted"}))
+            and all(only(ckpt, re.compile(r"\.fastio-lock|step-\d+").fullmatch) for ckpt in checkpoints
+                    if ckpt.exists()))
+
+
 def fresh_out(out: Path) -> None:
     """Make ``out`` an empty folder holding only :data:`DEMO_MARK`: a new one, an empty one, or one an earlier demo
     made (replaced); SystemExit (exit 2) in one line for anything else, which may hold the only copy of someone's
     files."""
-    if out.exists() and not (out / DEMO_MARK).is_file() and (not out.is_dir() or any(out.iterdir())):
+    old = out.is_dir() and not (out / DEMO_MARK).exists() and made_by_an_older_demo(out)
+    if out.exists() and not old and not (out / DEMO_MARK).is_file() and (not out.is_dir() or any(out.iterdir())):
         print(f"demo: {out}: exists and was not made by the demo (no {DEMO_MARK} in it); give a new folder, or an "
               "empty one", file=sys.stderr)
         raise SystemExit(2)
-    if (out / DEMO_MARK).is_file():
+    if old or (out / DEMO_MARK).is_file():
         shutil.rmtree(out)
     out.mkdir(parents=True, exist_ok=True)
     (out / DEMO_MARK).write_text("made by examples/demo.py: it replaces this folder when it runs again\n")

@@ -60,12 +60,7 @@ class Classifier(pl.LightningModule):
 
 def classes_of(data: str) -> int:
     """The classifier's outputs for DATA's labels; FastioError naming DATA where it has none."""
-    classes = Dataset(data).num_classes
-    if classes is None:
-        raise FastioError(f"{data}: a dataset without labels (converted from a folder with no class "
-                          "folders, or shards without a label field): this example trains a classifier on its "
-                          "labels")
-    return classes
+    return Dataset(data).classifier_outputs()
 
 
 _CKPT_WORDS = ("last", "best", "hpc", "registry")  # what Lightning's ckpt_path= takes besides a path or URL

@@ -24,7 +24,7 @@ with fastio.exit_cleanly(ckpt):  # Ctrl-C or a fastio error: one line (what is s
                           seed=0)                      # device="cuda" on a GPU: batches are decoded there
     val = fastio.Loader(f"{data}/val", batch_size=16, device="cpu", pipeline=fastio.ImageEval(size=32),
                         shuffle="none", remainder="partial")   # every sample once, in order
-    classes = train.dataset.num_classes                        # the largest label + 1
+    classes = train.dataset.classifier_outputs()             # the largest label + 1; no labels: an error
     model = torch.nn.Sequential(torch.nn.Conv2d(3, 16, 3, stride=2), torch.nn.ReLU(),
                                 torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(16, classes))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -43,7 +43,7 @@ if converted.returncode:  # the CLI has said why in one line (a bucket that does
 with fastio.exit_cleanly(resume="run it again: it converts and trains afresh"):
     loader = fastio.Loader(f"{prefix}/data/train", batch_size=8, device="cpu", pipeline=fastio.ImageTrain(size=32),
                            seed=0, cache_size="1GB")                 # shards are fetched into the node-local cache
-    classes = loader.dataset.num_classes
+    classes = loader.dataset.classifier_outputs()                  # no labels: one line naming the dataset
     model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 32 * 32, classes))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     app = {"model": model, "optim": optimizer, "loader": loader}

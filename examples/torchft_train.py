@@ -126,10 +126,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse(argv)
     check_started()
     # a dataset that is not there, or has no labels, is named now, not after torchft has connected to its peers
-    if Dataset(args.data).num_classes is None:
-        raise FastioError(f"{args.data}: a dataset without labels (converted from a folder with no class "
-                          "folders, or shards without a label field): this example trains a classifier on its "
-                          "labels")
+    classes = Dataset(args.data).classifier_outputs()
     model = optimizer = None
     manager = Manager(
         pg=ProcessGroupGloo(timeout=timedelta(seconds=args.timeout)), min_replica_size=1,
@@ -140,7 +137,7 @@ def main(argv: list[str] | None = None) -> None:
     loader = Loader(args.data, pipeline=ImageTrain(size=args.image_size), batch_size=args.batch_size, seed=0,
                     drop_last=True, replicas=manager, device="cpu")
     torch.manual_seed(0)  # every group builds the same weights, so step 0 needs no sync (init_sync=False)
-    model = make_model(loader.dataset.num_classes)
+    model = make_model(classes)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
     ddp = DistributedDataParallel(manager, model)
     opt = OptimizerWrapper(manager, optimizer)

@@ -135,10 +135,7 @@ def train(args: argparse.Namespace) -> int:
     loader = Loader(args.data, batch_size=args.batch_size, device=device.type, pipeline=ImageTrain(size=args.image_size),
                     seed=args.seed, rank=rank, world_size=world, shuffle="global",
                     num_threads=args.loader_threads)
-    classes = loader.dataset.num_classes
-    if classes is None:
-        raise FastioError(f"{args.data}: a dataset without labels (converted from a folder with no class folders, or "
-                          "shards without a label field): this example trains a classifier on its labels")
+    classes = loader.dataset.classifier_outputs()  # no labels: a DatasetError naming the dataset
     model = SmallCNN(classes).to(device)
     if world > 1:
         # One bucket and a fixed order inside it: see ordered_allreduce_hook.

@@ -153,7 +153,7 @@ class FastioBatches:
 
 
 def fastio_loaders(args, rank: int, world: int, device: str):
-    from fastio import FastioError, ImageEval, ImageTrain, Loader
+    from fastio import ImageEval, ImageTrain, Loader
 
     common = dict(batch_size=args.batch_size // world, seed=args.seed, rank=rank, world_size=world, device=device,
                   num_threads=max(1, args.workers))
@@ -161,10 +161,8 @@ def fastio_loaders(args, rank: int, world: int, device: str):
     # remainder="partial": every validation sample once over all ranks (repeats, if any, flagged as padded)
     val = Loader(os.path.join(args.data, "val"), pipeline=ImageEval(size=args.crop, crop_ratio=EVAL_CROP_RATIO),
                  shuffle="none", remainder="partial", **common)
-    if train.dataset.num_classes is None:
-        raise FastioError(f"{train.dataset.root}: a dataset without labels (converted from a folder with no class "
-                          "folders, or shards without a label field): this recipe trains a classifier on its labels")
-    return FastioBatches(train), FastioBatches(val), train.dataset.num_classes
+    classes = train.dataset.classifier_outputs()  # no labels: a DatasetError naming the dataset
+    return FastioBatches(train), FastioBatches(val), classes
 
 
 def _torchvision():

@@ -163,6 +163,41 @@ def test_max_side_downscales_only_big_images(tmp_path):
     assert ds.manifest.convert_options["max_side"] == 64
 
 
+def test_max_side_keeps_the_colours_of_transparent_pixels(tmp_path):
+    """Found by the newcomer review: --max-side turned every fully transparent pixel of an RGBA PNG black (PIL
+    resizes RGBA premultiplied, and 0 alpha keeps no colour), so a model reading RGB saw black where the original
+    held a colour. The resized PNG keeps them: a transparent region of one colour is that colour after the resize,
+    as a resize of the colours alone gives; opaque pixels and the alpha are resized as before."""
+    import numpy as np
+
+    pixels = np.zeros((64, 96, 4), np.uint8)
+    pixels[...] = (200, 50, 30, 0)  # transparent, of a known colour
+    pixels[16:48, 24:72] = (10, 120, 240, 255)  # an opaque square in the middle
+    (tmp_path / "src" / "a").mkdir(parents=True)
+    Image.fromarray(pixels, "RGBA").save(tmp_path / "src" / "a" / "x.png")
+    (tmp_path / "src" / "b").mkdir()
+    Image.fromarray(pixels[..., [1, 3]].copy(), "LA").save(tmp_path / "src" / "b" / "y.png")
+    ds = Dataset(convert(ConvertConfig(source=tmp_path / "src", dest=tmp_path / "d", workers=1, max_side=24,
+                                       progress=False)).dest)
+    import webdataset as wds
+
+    got = {s["__key__"]: np.asarray(Image.open(io.BytesIO(s["png"])))
+           for s in wds.WebDataset([str(s.path) for s in ds.shards], shardshuffle=False)}
+    rgba, la = got["a/x"], got["b/y"]
+    assert rgba.shape == (16, 24, 4) and la.shape == (16, 24, 2)
+    assert (rgba[0, 0] == (200, 50, 30, 0)).all() and (rgba[8, 12] == (10, 120, 240, 255)).all()
+    assert (la[0, 0] == (50, 0)).all() and (la[8, 12] == (120, 255)).all()
+
+    def resized(array, mode):
+        return np.asarray(Image.fromarray(array, mode).resize((24, 16), Image.Resampling.BICUBIC, reducing_gap=3.0))
+
+    clear = rgba[..., 3] == 0
+    assert clear.sum() > 100
+    assert (rgba[clear][:, :3] == resized(pixels[..., :3].copy(), "RGB")[clear]).all()  # the colours alone
+    assert (la[la[..., 1] == 0][:, 0] == resized(pixels[..., 1].copy(), "L")[la[..., 1] == 0]).all()
+    assert (rgba[~clear] == resized(pixels, "RGBA")[~clear]).all()  # what shows: as PIL resizes it, premultiplied
+
+
 def test_another_tools_manifest_is_not_called_a_converted_dataset(tmp_path, image_folder):
     """A DEST holding a ``manifest.json`` fastio did not write (another tool's, the user's own) is "not fastio output",
     as any other file: it was called "a converted dataset" to be replaced, and --overwrite would then have replaced
@@ -263,6 +298,39 @@ def test_cli_summary_line_and_quiet(tmp_path, image_folder, capsys):
     assert err == ""  # stderr is not a terminal here: no progress bar
     assert main(["convert", str(image_folder), str(tmp_path / "b"), "--quiet"]) == 0
     assert capsys.readouterr() == ("", "")
+
+
+def test_summary_of_a_flat_image_folder_says_it_has_no_labels(tmp_path, capsys):
+    """Found by the newcomer review: a folder of images with no class folders converted (as loose files) with a
+    summary that said nothing about labels, and the training script failed far from the cause. The summary says so
+    now, and how to label them; the conversion still succeeds (a dataset without labels is legitimate)."""
+    (tmp_path / "flat").mkdir()
+    for k in range(3):
+        Image.new("RGB", (8, 8), (40 * k, 0, 0)).save(tmp_path / "flat" / f"p{k}.png")
+    assert main(["convert", str(tmp_path / "flat"), str(tmp_path / "ds")]) == 0
+    out, _ = capsys.readouterr()
+    assert out.count("\n") == 1
+    assert out.rstrip().endswith(f"; no labels: images directly in {tmp_path / 'flat'}; put them in one folder per "
+                                 "class to label them"), out
+    assert Dataset(tmp_path / "ds").num_classes is None
+
+
+def test_summary_of_a_flat_folder_of_videos_says_it_has_no_labels(tmp_path, capsys):
+    """The same for a folder of videos with no class folders (the note named only images)."""
+    from fastio.convert.synthetic import make_video
+
+    for k in range(2):
+        make_video(tmp_path / "flat" / f"v{k}.webm", frames=4)
+    assert main(["convert", str(tmp_path / "flat"), str(tmp_path / "ds"), "--workers", "1"]) == 0
+    out, _ = capsys.readouterr()
+    assert out.rstrip().endswith(f"; no labels: videos directly in {tmp_path / 'flat'}; put them in one folder per "
+                                 "class to label them"), out
+
+
+def test_summary_of_a_labelled_source_says_nothing_of_missing_labels(tmp_path, image_folder, capsys):
+    assert main(["convert", str(image_folder), str(tmp_path / "a"), "--quiet"]) == 0
+    result = convert(ConvertConfig(source=image_folder, dest=tmp_path / "b", workers=1, progress=False))
+    assert "no labels" not in result.summary()
 
 
 def test_progress_bar_on_a_real_terminal(tmp_path, image_folder):

@@ -284,6 +284,41 @@ def test_table_paths_must_resolve_inside_the_root(tmp_path, image_folder):
         convert(ConvertConfig(source=table, dest=tmp_path / "fail", on_error="fail", workers=1))
 
 
+@pytest.mark.parametrize("kind", ["csv", "parquet"])
+def test_a_labelled_table_naming_one_file_twice_follows_on_error(tmp_path, image_folder, capsys, kind):
+    """Found by the newcomer review: a labelled table naming one image in two rows (a copy-paste, or a multi-label
+    table written one row per label) packed it twice, as two samples, silently. fastio's label is one integer
+    a sample, so the later row is rejected by the rule of every rejected row, naming the file and both rows; a
+    table without labels (several captions of one image, each a sample) keeps them all."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    def table(name: str, columns: dict[str, list]) -> Path:
+        path = image_folder / f"{name}.{kind}"
+        if kind == "csv":
+            rows = zip(*columns.values())
+            path.write_text(",".join(columns) + "\n" + "".join(",".join(map(str, r)) + "\n" for r in rows))
+        else:
+            pq.write_table(pa.table(columns), path)
+        return path
+
+    paths = ["circle/circle_0000.jpg", "circle/circle_0001.jpg", "./circle/circle_0000.jpg", "square/square_0000.jpg"]
+    labelled = table("t", {"path": paths, "label": [0, 0, 1, 2]})
+    first = 2 if kind == "csv" else 1  # the CSV's header is its line 1; a Parquet's row from 1
+    code, out, err = run_cli(["convert", str(labelled), str(tmp_path / "out"), "--workers", "1"], capsys)
+    assert code == 0, err
+    said = (f"t.{kind}:{first + 2}: path column 'path': ./circle/circle_0000.jpg is the file of t.{kind}:{first} "
+            "too: a labelled table names each file once (one sample, one label)")
+    assert skipped_of(tmp_path / "out") == {f"t.{kind}:{first + 2}": said.split(": ", 1)[1]}
+    assert said in out and "skipped 1" in out, out
+    assert len(Dataset(tmp_path / "out")) == 3
+    code, _, err = run_cli(["convert", str(labelled), str(tmp_path / "fail"), "--on-error", "fail", "-q"], capsys)
+    assert code == 2 and err.count("\n") == 1 and said in err and "--on-error fail" in err, err
+    captions = table("c", {"path": paths[:3], "caption": ["a circle", "another", "a round shape"]})
+    assert run_cli(["convert", str(captions), str(tmp_path / "captions"), "-q"], capsys)[0] == 0
+    assert len(Dataset(tmp_path / "captions")) == 3
+
+
 @pytest.mark.parametrize("kind", ["csv", "jsonl", "parquet"])
 def test_table_rows_naming_no_file_follow_on_error(tmp_path, image_folder, capsys, kind):
     """Found by review: a table row whose path names a missing file (or a folder, or an empty cell) stopped the run

@@ -178,6 +178,12 @@ def test_files_grouped_by_basename(tmp_path, image_folder):
     (lambda d: d / "missing", r"missing: no such file or directory"),
     (lambda d: (d / "empty").mkdir() or d / "empty", r"empty: source directory is empty"),
     (lambda d: (d / "x.bin").write_bytes(b"1") and d / "x.bin", r"x.bin: cannot tell the format"),
+    # found by the newcomer review: one image (video) given as SOURCE was told to give format=NAME, where every
+    # format but a table's wants a folder
+    (lambda d: (d / "a").mkdir() or (d / "a" / "x.jpg").write_bytes(b"1") and d / "a" / "x.jpg",
+     r"^\S+/a/x.jpg: an image file, not a source: give the folder of images that holds it \(\S+/a\), or a table "
+     r"naming the files$"),
+    (lambda d: (d / "v.mp4").write_bytes(b"1") and d / "v.mp4", r"v.mp4: a video file, not a source: give the folder"),
 ])
 def test_detect_errors_name_the_source(tmp_path, make, message):
     with pytest.raises(ConvertError, match=message):
@@ -276,6 +282,34 @@ def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
         result = converters.scan(tmp_path / "t.csv")
         assert [e.key for e in result.entries] == ["ok"]
         assert [(s.path, s.reason, s.error) for s in result.skipped] == [("t.csv:3", message, True)]
+
+
+def test_a_folder_already_split_is_not_labelled_by_its_split_names(tmp_path, capsys):
+    """Found by the newcomer review: `fastio convert images ds` of a dataset already split (images/train/<class>/,
+    images/val/<class>/, as ImageNet and most downloads come) converted it as 2 classes, 'train' and 'val': every
+    label the split's name, and nothing said. Detection refuses now, naming the splits and the commands;
+    format='imagefolder' given still labels by those folders."""
+    from fastio.cli import main
+    from fastio.convert.synthetic import make_imagefolder
+
+    make_imagefolder(tmp_path / "images" / "train", classes=3, per_class=2)
+    make_imagefolder(tmp_path / "images" / "val", classes=3, per_class=1)
+    src = tmp_path / "images"
+    said = (f"{src}: already split: train, val hold class folders, not images (as labels they would be the split "
+            f"names): convert each split, `fastio convert {src / 'train'} DEST/train` and "
+            f"`fastio convert {src / 'val'} DEST/val` (their class folders named alike, so that their labels agree), "
+            "or give format='imagefolder' to label by these folders")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(src)
+    assert str(err.value) == said
+    assert main(["convert", str(src), str(tmp_path / "ds")]) == 2
+    told = said.replace("format='imagefolder'", "--format imagefolder")
+    assert capsys.readouterr().err == f"fastio: error: {told}\n"
+    assert converters.scan(src, "imagefolder").label_map == {"train": 0, "val": 1}
+    assert converters.scan(src / "train").label_map == converters.scan(src / "val").label_map
+    make_imagefolder(tmp_path / "one" / "Train", classes=2, per_class=1)
+    with pytest.raises(ConvertError, match=r"one: already split: Train holds class folders, not images"):
+        converters.scan(tmp_path / "one")
 
 
 def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -145,6 +146,48 @@ def test_demo_starts_over_in_a_folder_it_made(tmp_path, monkeypatch):
     empty.mkdir()
     fresh_out(empty)
     assert sorted(p.name for p in empty.iterdir()) == [mark]
+
+
+def old_demo_out(out: Path) -> Path:
+    """``out`` as a demo made it before DEMO_MARK existed (examples/demo.py from 24ab31f to 40a488d): ``raw/`` (4
+    class folders of 64 JPEGs), ``data/`` (their conversion with a train/val split) and ``ckpt/`` (train.py's
+    two runs' checkpoints), and ``quickstart-ckpt/``, which the demo's closing hint makes."""
+    import torch
+
+    from fastio import Checkpointer
+    from fastio.convert.run import ConvertConfig, convert
+    from fastio.convert.synthetic import make_imagefolder
+
+    make_imagefolder(out / "raw", classes=4, per_class=64, min_side=64, max_side=160, seed=0)
+    convert(ConvertConfig(source=out / "raw", dest=out / "data", split="val=0.1", shuffle=True, seed=0,
+                          max_samples_per_shard=64, workers=1, progress=False))
+    for ckpt in ("ckpt/uninterrupted", "ckpt/interrupted", "quickstart-ckpt"):
+        with Checkpointer(out / ckpt, every_steps=5, keep=2) as saver:
+            saver.save(5, {"model": torch.nn.Linear(2, 2)}, blocking=True)
+    return out
+
+
+def test_demo_replaces_the_output_of_a_demo_older_than_its_mark_and_nothing_else(tmp_path, capsys):
+    """Found by the newcomer review: `make demo` in a checkout that ran it before DEMO_MARK existed refused its own
+    old demo-out/ ('exists and was not made by the demo'). A folder holding exactly what an older demo wrote is
+    replaced; one more file anywhere in it (the user's), and it is refused and kept."""
+    from example_scripts import load_example
+
+    demo = load_example("demo")
+    reference = old_demo_out(tmp_path / "reference")
+    out = shutil.copytree(reference, tmp_path / "demo-out")
+    demo.fresh_out(out)
+    assert sorted(p.name for p in out.iterdir()) == [demo.DEMO_MARK]
+    for extra in ("notes.txt", "raw/circle/mine.jpg", "raw/extra/a.jpg", "data/train/mine.txt", "ckpt/mine.pt",
+                  "ckpt/interrupted/mine.pt"):
+        out = shutil.copytree(reference, tmp_path / extra.replace("/", "-"))
+        (out / extra).parent.mkdir(parents=True, exist_ok=True)
+        (out / extra).write_text("precious")
+        with pytest.raises(SystemExit) as exit_:
+            demo.fresh_out(out)
+        assert exit_.value.code == 2
+        assert "exists and was not made by the demo" in capsys.readouterr().err
+        assert (out / extra).read_text() == "precious" and (out / "raw").is_dir(), extra
 
 
 DEMO_MARK = ".fastio-demo"

@@ -130,6 +130,26 @@ def test_a_fastio_error_in_the_quickstart_is_one_line(data, tmp_path, warm):
         done.stderr
 
 
+def test_the_quickstart_on_a_flat_image_folder_says_it_has_no_labels_in_one_line(tmp_path, warm):
+    """Found by the newcomer review: the README's commands on a flat folder of images (no class folders) converted
+    and verified fine, then the quickstart ended in torch's TypeError traceback (nn.Linear(16, None)). Now one line
+    naming the dataset and what to do (exit 2), from Dataset.classifier_outputs, a DatasetError for the API."""
+    from PIL import Image
+
+    (tmp_path / "images").mkdir()
+    for k in range(40):
+        Image.new("RGB", (40, 30), (5 * k, 90, 200)).save(tmp_path / "images" / f"p{k}.png")
+    done = fastio_cli("convert", "images", "ds", "--split", "train=0.9,val=0.1", "--quiet", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    with pytest.raises(DatasetError, match=f"^{tmp_path / 'ds' / 'train'}: a dataset without labels .*: put the "
+                                           "images in one folder per class"):
+        Dataset(tmp_path / "ds" / "train").classifier_outputs()
+    done = quickstart(warm, tmp_path, "ds", str(tmp_path / "ckpt"), "1")
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith("quickstart.py: error: ds/train: a dataset without labels"), done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
 def test_the_quickstart_prints_its_usage_for_help_and_an_epochs_that_is_not_a_number(tmp_path, warm):
     """Found by the integrations review: `python examples/quickstart.py --help` read --help as DATA, made ./ckpt
     (its lock file inside) and said `--help/train: no such dataset directory`; EPOCHS `two` ended in int()'s

@@ -180,6 +180,17 @@ def test_index_of_an_image_folder_names_fastio_convert(image_folder, capsys):
                                  f"is converted, not indexed: `fastio convert {image_folder} DEST`\n"), err
 
 
+def test_index_of_a_folder_of_videos_names_fastio_convert(tmp_path, capsys):
+    # Found by the newcomer review: `fastio index clips` of a folder of videos said only 'holds no .tar files'.
+    (tmp_path / "clips" / "a").mkdir(parents=True)
+    (tmp_path / "clips" / "a" / "v0.mp4").write_bytes(b"x")
+    (tmp_path / "clips" / "v1.webm").write_bytes(b"x")
+    code, _, err = run_cli(["index", str(tmp_path / "clips")], capsys)
+    assert code == 2 and err == (f"fastio: error: {tmp_path / 'clips'}: holds no .tar files but videos (.mp4/.webm "
+                                 "files): a folder of videos is converted, not indexed: "
+                                 f"`fastio convert {tmp_path / 'clips'} DEST`\n"), err
+
+
 def test_the_commands_named_for_a_folder_with_a_space_are_quoted(tmp_path, shards, image_folder, capsys):
     # Found by the newcomer review (round 4): `fastio index my wds` (the command the message named, pasted) indexes
     # two folders, 'my' and 'wds'.
@@ -203,6 +214,48 @@ def test_a_mistyped_dataset_folder_names_the_nearest_one(tmp_path, image_dataset
         Dataset(typo)
     code, _, err = run_cli(["verify", str(image_dataset.parent / "zzz")], capsys)
     assert err == f"fastio: error: {image_dataset.parent / 'zzz'}: no such dataset directory\n", err
+
+
+def test_a_split_the_conversion_did_not_make_names_the_splits_there_are(tmp_path, image_folder, capsys):
+    """Found by the newcomer review: Loader('ds/test') of a DEST converted with train/val said only 'no such dataset
+    directory'. It names the split and lists the ones splits.json has; a split listed whose folder was removed is
+    named as such."""
+    from fastio.convert.run import ConvertConfig, convert
+
+    ds = tmp_path / "ds"
+    convert(ConvertConfig(source=image_folder, dest=ds, split="train=0.75,val=0.25", workers=1, progress=False))
+    with pytest.raises(DatasetError, match=rf"^{ds / 'test'}: no split 'test' in {ds} \(its splits.json lists train, "
+                                           r"val\)$"):
+        Loader(str(ds / "test"), batch_size=4, device="cpu")
+    code, _, err = run_cli(["verify", str(ds / "test")], capsys)
+    assert code == 2 and err == f"fastio: error: {ds / 'test'}: no split 'test' in {ds} (its splits.json lists " \
+                                "train, val)\n", err
+    shutil.rmtree(ds / "val")
+    with pytest.raises(DatasetError, match=rf"^{ds / 'val'}: a split {ds}/splits.json lists, but its folder is "
+                                           "missing"):
+        Dataset(ds / "val")
+
+
+def test_a_folder_of_videos_or_audio_given_as_a_dataset_names_what_it_holds(tmp_path, capsys):
+    """Found by the newcomer review: Loader('clips') of a folder of .mp4/.webm files (class folders or not) and
+    `fastio verify clips` said 'not a fastio dataset (no manifest.json; an interrupted conversion?)', where a folder
+    of images names `fastio convert`. Now: what was found, the command, and the pipeline that reads it."""
+    from fastio import ImageTrain
+
+    for name in ("a/v0.mp4", "b/v1.webm"):
+        (tmp_path / "clips" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "clips" / name).write_bytes(b"not looked at")
+    (tmp_path / "sounds").mkdir()
+    (tmp_path / "sounds" / "s0.flac").write_bytes(b"x")
+    clips, sounds = tmp_path / "clips", tmp_path / "sounds"
+    said = (f"{clips}: a folder of videos (.mp4/.webm files), not a dataset: convert it with `fastio convert {clips} "
+            "DEST`, then read DEST with fastio.VideoClips (docs/media.md)")
+    with pytest.raises(DatasetError, match=f"^{re.escape(said)}$"):
+        Loader(str(clips), batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    assert run_cli(["verify", str(clips)], capsys)[1:] == ("", f"fastio: error: {said}\n")
+    with pytest.raises(DatasetError, match=re.escape(f"{sounds}: a folder of audio (.flac files), not a dataset: "
+                                                     "convert it with ")):
+        Dataset(sounds)
 
 
 def test_an_empty_folder_is_named_as_such(tmp_path, capsys):

@@ -70,6 +70,10 @@ def test_split_dest_on_s3(aws_env, s3_bucket, image_folder, capsys):
     with pytest.raises(DatasetError, match=rf"{url}: holds the splits train, val, not one dataset: open {url}/train "
                                            rf"or {url}/val$"):
         Loader(url, batch_size=4, device="cpu", pipeline=ImageTrain(size=32))
+    # found by the newcomer review: a split splits.json does not list said only 'no such dataset directory', as on
+    # a local disk (tests/test_newcomer_messages.py)
+    said = f"fastio: error: {url}/test: no split 'test' in {url} (its splits.json lists train, val)\n"
+    assert run_cli(["verify", f"{url}/test"], capsys)[1:] == ("", said)
 
 
 def test_an_endpoint_without_a_scheme_is_one_line_in_every_command(s3_bucket, capsys, monkeypatch):

@@ -20,7 +20,15 @@ from pathlib import Path
 
 from fastio.convert.foreign_tar import COMPRESSED
 from fastio.dataset.files import dest_child, dest_split_names, names_object
-from fastio.dataset.manifest import FORMAT, MANIFEST_NAME, MARKER_NAME, SHARDS_DIR, SPLITS_NAME, unfinished_marked
+from fastio.dataset.manifest import (
+    FORMAT,
+    MANIFEST_NAME,
+    MARKER_NAME,
+    SHARDS_DIR,
+    SPLITS_NAME,
+    media_of,
+    unfinished_marked,
+)
 from fastio.errors import DatasetError, StorageError
 from fastio.formats.images import is_image_field
 from fastio.storage import open_storage
@@ -299,6 +307,10 @@ def _no_tars(source: str, keys: list[str], own_shards: bool, nested: list[str]) 
     if any(is_image_field(key.rsplit("/", 1)[-1]) for key in keys if "." in key.rsplit("/", 1)[-1]):
         return DatasetError(f"{source}: holds no .tar files but images: a folder of images is converted, not indexed: "
                             f"`fastio convert {shlex.quote(source)} DEST`")
+    media = media_of([key.rsplit("/", 1)[-1] for key in keys])
+    if media is not None:
+        return DatasetError(f"{source}: holds no .tar files but {media[0]} ({media[1]} files): a folder of {media[0]} "
+                            f"is converted, not indexed: `fastio convert {shlex.quote(source)} DEST`")
     return DatasetError(f"{source}: holds no .tar files")
 
 

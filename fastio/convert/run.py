@@ -64,7 +64,9 @@ from fastio.formats.media import (
     MediaCheckError,
     count_transcoded,
     count_video_codec,
+    is_audio_field,
     is_media_field,
+    is_video_field,
     parse_transcode,
     prepare_media,
     probe_json,
@@ -323,12 +325,26 @@ class ConvertResult:
             rule = f"{rule} ({count(classes, 'class', 'classes')}, {LABEL_RULES[rule]})"
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"
-        labels = f"; labels: {rule}" if rule else ""
+        labels = f"; labels: {rule}" if rule else self._unlabelled()
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{self._trained()}{renamed_line(self.renamed)}"
                 f"{transcoded_line(self.transcoded)}"
                 + skipped_lines(self.skipped, more, words=words))
+
+    def _unlabelled(self) -> str:
+        """A folder of images (videos, audio) with no class folders (converted as loose files, without ``cls``
+        files): the summary's note that it has no labels and how to give them, since a classifier's script fails
+        far from the cause; nothing for any other source."""
+        first = next(iter(self.manifests.values()), None)
+        if self.format != "files" or first is None:
+            return ""
+        what = "images" if first.image_field else "videos" if any(map(is_video_field, first.fields)) else \
+            "audio files" if any(map(is_audio_field, first.fields)) else None
+        if what is None:
+            return ""
+        source = (first.converted_from or {}).get("path", "SOURCE")
+        return f"; no labels: {what} directly in {source}; put them in one folder per class to label them"
 
     def _trained(self) -> str:
         """An image-text conversion's trained tokens (:attr:`ImageTextInfo.trained_tokens` of every dataset written),

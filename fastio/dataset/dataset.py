@@ -152,6 +152,18 @@ class Dataset:
         largest = max((self._largest_label(shard) for shard in self.shards), default=-1)
         return largest + 1 if largest >= 0 else None
 
+    def classifier_outputs(self) -> int:
+        """:attr:`num_classes` for a classifier, which needs labels: DatasetError naming this dataset where it has
+        none (a flat image folder converted, shards without a label field), instead of None reaching
+        ``nn.Linear``."""
+        classes = self.num_classes
+        if classes is None:
+            raise DatasetError(f"{self.root}: a dataset without labels (converted from a folder with no class "
+                               "folders, or shards without a label field): a classifier needs labels: put the "
+                               "images in one folder per class and convert again (shards: a .cls member in each "
+                               "sample, then fastio index)")
+        return classes
+
     def _largest_label(self, shard: Shard) -> int:
         """The largest label in ``shard``'s label field (-1 when no sample of it has one)."""
         field = self.label_field

@@ -32,6 +32,8 @@ from fastio.dataset.manifest import (
     holds_pairs,
     images_not_dataset,
     load_manifest,
+    media_not_dataset,
+    missing_split,
     no_dataset,
     no_such_dataset,
     pairs_not_dataset,
@@ -208,14 +210,17 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
     keys = [o.key for o in storage.list("", limit=LOOK_AT)]
     if not keys:  # a bucket's root or a console's folder (a "name/" object), or nothing written below (a typo?)
         beside = _folders(open_storage(parent, options)) if parent.count("/") >= 2 else [name]
-        return empty_not_dataset(url) if name in beside else no_such_dataset(url, beside)
+        if name in beside:
+            return empty_not_dataset(url)
+        return _missing_split_of(url, parent, name, options) or no_such_dataset(url, beside)
     if MARKER_NAME in keys:
         try:
             return unfinished_marked(url, storage.get(MARKER_NAME)[:64])  # a line fastio wrote
         except StorageError:  # deleted since it was listed (the run's cleanup): what else is there is no source
             return None
     pairs = holds_pairs({k for k in keys if "/" not in k and not k.startswith(".")})
-    holds = holds_of([k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1])
+    tops = [k.rsplit("/", 1)[-1] for k in keys if k.count("/") <= 1]
+    holds = holds_of(tops)
     tars = "tar" in holds
     if pairs or tars:
         unfinished = unfinished_split_of(url, options)  # its shards are part of the source only: not `fastio index`
@@ -228,7 +233,19 @@ def _prefix_not_dataset(url: str, options: StorageOptions) -> DatasetError | Non
         return holds_datasets(url, "dataset", datasets)
     if tars:
         return tars_not_dataset(url)
-    return images_not_dataset(url) if "image" in holds else None
+    return images_not_dataset(url) if "image" in holds else media_not_dataset(url, tops)
+
+
+def _missing_split_of(url: str, parent: str, name: str, options: StorageOptions) -> DatasetError | None:
+    """:func:`~fastio.dataset.manifest.missing_split` for an empty prefix ``url`` below ``parent`` (its
+    ``splits.json`` read where there is one); None where ``parent`` is no ``split`` DEST."""
+    if parent.count("/") < 2:  # url is a bucket
+        return None
+    try:
+        names = dest_split_names(parent, options)
+    except (DatasetError, StorageError):  # a splits.json that is not fastio's, or one we may not read
+        return None
+    return missing_split(url, parent, name, names)
 
 
 def unfinished_split_of(url: str, options: StorageOptions | dict | None) -> DatasetError | None:

@@ -25,6 +25,7 @@ from fastio.errors import DatasetError
 from fastio.formats.image_text import options_tokenizer_sha256
 from fastio.formats.images import is_image_field
 from fastio.formats.labels import LABEL_RULES
+from fastio.formats.media import is_audio_field, is_video_field
 from fastio.formats.token_mask import MASK_FORMAT
 from fastio.formats.wds import is_field_name, is_plain_name
 from fastio.storage.atomic import atomic_write_bytes
@@ -44,6 +45,9 @@ __all__ = [
     "file_of_dataset",
     "holds_datasets",
     "images_not_dataset",
+    "media_not_dataset",
+    "media_of",
+    "missing_split",
     "no_dataset",
     "no_such_dataset",
     "empty_not_dataset",
@@ -649,22 +653,48 @@ def not_a_dataset(dest: Path) -> DatasetError:
     if dest.is_file():
         return file_not_dataset(dest)
     if not dest.is_dir():
-        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or no_such_dataset(
-            dest, _folders(dest.parent))
+        return shard_pattern(str(dest), lambda folder: (Path(folder) / MANIFEST_NAME).is_file()) or \
+            _missing_split(dest) or no_such_dataset(dest, _folders(dest.parent))
     unfinished = unfinished_run(dest)
     if unfinished is not None:  # not fastio index's advice: the shards written so far are part of the source
         return unfinished
     datasets = [n for n in _folders(dest)[:64] if _is_dataset(dest / n)]
     if datasets:  # before the tars: a dataset indexed in place holds its tars
         return holds_datasets(dest, "dataset", datasets)
-    holds = _holds(dest)
+    names = _names(dest)
+    holds = holds_of(names)
     if "tar" in holds:
         return tars_not_dataset(dest)
     if "image" in holds:
         return images_not_dataset(dest)
+    media = media_not_dataset(dest, names)
+    if media is not None:
+        return media
     if not any(os.scandir(dest)):
         return empty_not_dataset(dest)
     return no_dataset(dest)
+
+
+def _missing_split(dest: Path) -> DatasetError | None:
+    """The error for a missing folder ``dest`` whose parent is a DEST converted with ``split``: the split is not one
+    its ``splits.json`` lists (naming those), or is and its folder was removed. None for any other folder."""
+    try:
+        names = split_names(dest.parent)
+    except DatasetError:  # a splits.json that is not fastio's: the folder is just missing
+        return None
+    return missing_split(dest, dest.parent, dest.name, names)
+
+
+def missing_split(dest: str | Path, parent: str | Path, name: str, names: Sequence[str] | None) -> DatasetError | None:
+    """The error for a missing folder (or an empty ``s3://`` prefix) ``dest``, named ``name`` in ``parent``, a DEST
+    converted with ``split`` whose ``splits.json`` lists ``names`` (None: ``parent`` is no such DEST, and this is
+    None too): the split is not one it lists (naming those), or is and its folder was removed."""
+    if names is None:
+        return None
+    if name in names:
+        return DatasetError(f"{dest}: a split {str(parent).rstrip('/')}/{SPLITS_NAME} lists, but its folder is "
+                            "missing (removed or moved?): convert the source again")
+    return DatasetError(f"{dest}: no split {name!r} in {parent} (its {SPLITS_NAME} lists {', '.join(names)})")
 
 
 def no_dataset(dest: str | Path) -> DatasetError:
@@ -698,6 +728,31 @@ def images_not_dataset(dest: str | Path) -> DatasetError:
                             f"`fastio convert {shlex.quote(str(dest))} DEST`, then give DEST")
     return DatasetError(f"{dest}: a folder of images, not a dataset: copy it to a local folder and convert that with "
                         "`fastio convert FOLDER DEST`, then give DEST")
+
+
+def media_not_dataset(dest: str | Path, names: Sequence[str]) -> DatasetError | None:
+    """The error for a folder (or an ``s3://`` prefix) of videos or audio files (files of these ``names``) given as
+    a dataset: what was found, the command that converts it and the pipeline that reads the result; None when it
+    holds neither."""
+    media = media_of(names)
+    if media is None:
+        return None
+    what, found, pipeline = media
+    convert = (f"convert it with `fastio convert {shlex.quote(str(dest))} DEST`" if isinstance(dest, Path)
+               else "copy it to a local folder and convert that with `fastio convert FOLDER DEST`")
+    return DatasetError(f"{dest}: a folder of {what} ({found} files), not a dataset: {convert}, then read DEST with "
+                        f"fastio.{pipeline} (docs/media.md)")
+
+
+def media_of(names: Sequence[str]) -> tuple[str, str, str] | None:
+    """What files of these ``names`` (the first :data:`LOOK_AT`) are when videos or audio: ``("videos",
+    ".mp4/.webm", "VideoClips")`` (the suffixes found, the pipeline that reads them), or ``("audio", ...,
+    "AudioClips")``; None for neither."""
+    for what, pipeline, holds in (("videos", "VideoClips", is_video_field), ("audio", "AudioClips", is_audio_field)):
+        found = sorted({"." + n.rsplit(".", 1)[-1].lower() for n in names[:LOOK_AT] if "." in n and holds(n)})
+        if found:
+            return what, "/".join(found), pipeline
+    return None
 
 
 def holds_datasets(dest: str | Path, what: str, names: Sequence[str]) -> DatasetError:
@@ -851,9 +906,9 @@ def _read_head(path: Path) -> bytes:
         return b""
 
 
-def _holds(folder: Path) -> set[str]:
-    """What a folder and its sub-folders hold (:func:`holds_of`; a bounded look; an unreadable folder holds
-    nothing)."""
+def _names(folder: Path) -> list[str]:
+    """The names of the files in a folder and its sub-folders, for :func:`holds_of` (a bounded look; an unreadable
+    folder holds nothing)."""
     names: list[str] = []
     try:
         subs = sorted(p for p in folder.iterdir() if p.is_dir() and not p.name.startswith("."))
@@ -861,7 +916,7 @@ def _holds(folder: Path) -> set[str]:
             names += os.listdir(sub)[:LOOK_AT]
     except OSError:
         pass
-    return holds_of(names)
+    return names
 
 
 def holds_of(names: list[str]) -> set[str]:

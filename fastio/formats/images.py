@@ -214,8 +214,6 @@ def downscale(data: bytes, field: str, max_side: int, quality: int,
 
 
 def _downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[bytes, tuple[int, int]]:
-    from PIL import Image
-
     img = _open(data)
     _refuse_undecoded(data, img)
     w, h = img.size
@@ -231,7 +229,7 @@ def _downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[by
         if img.format == "JPEG":
             img.draft(img.mode, size)  # decode at a reduced DCT scale: much faster, still >= size
         img.load()
-        out = img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+        out = _resize(img, size)
     except Exception as err:  # noqa: BLE001  (any decoder failure means a bad image)
         raise ImageCheckError(f"image does not decode ({_reason(err)})") from None
     fmt = _PIL_FORMAT.get(field, img.format or "PNG")
@@ -248,6 +246,23 @@ def _downscale(data: bytes, field: str, max_side: int, quality: int) -> tuple[by
     except Exception as err:  # noqa: BLE001  (e.g. a CMYK image stored under a .png name)
         raise ImageCheckError(f"cannot re-encode as {fmt} ({_reason(err)})") from None
     return buf.getvalue(), size
+
+
+def _resize(img, size: tuple[int, int]):
+    """``img`` resized to ``size`` (bicubic). PIL resizes RGBA and LA premultiplied by alpha (right for the pixels
+    that show), which leaves a fully transparent pixel black: those take the colour of a resize of the colours
+    alone, so a transparent region keeps the colour it was stored with (what a reader ignoring alpha sees)."""
+    import numpy as np
+    from PIL import Image
+
+    out = img.resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0)
+    if img.mode not in ("RGBA", "LA"):
+        return out
+    colours = np.asarray(img.convert(img.mode[:-1]).resize(size, Image.Resampling.BICUBIC, reducing_gap=3.0))
+    pixels = np.array(out)
+    clear = pixels[..., -1] == 0
+    pixels[..., :-1][clear] = colours.reshape(*colours.shape[:2], -1)[clear]
+    return Image.fromarray(pixels, img.mode)
 
 
 def image_size(data) -> tuple[int, int]:
