@@ -464,31 +464,114 @@ def test_a_save_during_a_store_outage_is_committed_locally_and_uploaded_when_the
         assert again.steps() == [1, 2, 3, 4, 5]
 
 
-def test_the_first_save_after_a_rollback_during_a_store_outage_fails_naming_what_it_must_supersede(
-        moto_server, s3_bucket, fault_proxy, tmp_path):
-    """The exception to committing in the staging dir during an outage: after restore_latest(step=1) with step 2 on
-    the store, the next commit must first supersede step 2 there (a local-only step 3 beside a committed step 2 of
-    the abandoned branch would be superseded by it at the next restore). That save fails naming step 2, nothing is
-    committed, and the next save once the store answers does the rollback."""
+def _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store):
+    """Steps 1, 2 and 5 on the store; restore_latest(step=1), then the store goes out and step 3 is saved: the
+    app saved, and the objects of the abandoned steps 2 and 5 as they were."""
+    app = make_app()
+    ckpt = Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=())
+    for step in (1, 2, 5):
+        train_step(app)
+        ckpt.save(step, app, blocking=True)
+    abandoned = {o.key: store.get(o.key) for o in store.list() if o.key.startswith(("step-2/", "step-5/"))}
+    assert ckpt.restore_latest(app, step=1).step == 1
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(3, app, blocking=True)  # no error: committed in the staging dir, its rollback with it
+    assert (stage / "step-3" / naming.COMMIT_FILE).is_file()
+    return ckpt, app, abandoned
+
+
+def _assert_superseded_keeping_objects(url, options, store, abandoned, committed):
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {2: "superseded", 5: "superseded", **{s: "committed" for s in committed}}, rows
+    now = {o.key: store.get(o.key) for o in store.list() if o.key.startswith(("step-2/", "step-5/"))}
+    for step in (2, 5):
+        marker = abandoned.pop(f"step-{step}/fastio-commit.json")
+        assert now.pop(f"step-{step}/fastio-superseded.json") == marker
+    assert now == abandoned
+
+
+def test_the_first_save_after_a_rollback_during_a_store_outage_is_staged_and_supersedes_at_upload(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Before: after restore_latest(step=1) with steps 2 and 5 on the store, a save during a store outage failed (the
+    rollback had to supersede 2 and 5 on the store first), although a save without a rollback is committed in the
+    staging dir: the job lost its progress until the store answered. Now the rollback is recorded in the staging dir
+    with the step: step 3 is committed there, step 4 after it too (5 no longer counts as the store's newest), and
+    once the store answers the next save supersedes 2 and 5 on the store exactly as a rollback does (markers kept as
+    fastio-superseded.json, every object kept), then uploads 3, 4 and itself; a restore gets the new branch."""
     url = f"s3://{s3_bucket}/ckpt"
     options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
     stage = tmp_path / "stage"
-    app = make_app()
-    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as ckpt:
-        ckpt.save(1, app, blocking=True)
-        train_step(app)
-        ckpt.save(2, app, blocking=True)
-        assert ckpt.restore_latest(app, step=1).step == 1
-        fault_proxy.down = {f"/{s3_bucket}"}
-        # the failed step named by its URL (was the staging dir's step-3, a local path the run never named)
-        with pytest.raises(CheckpointError, match=rf"^{url}/step-3: checkpoint write failed: {url}: cannot supersede the "
-                                                  r"steps above 1: .*\(step 2 on the store must be superseded before "
-                                                  r"this step is committed: a rollback waits for the store\)"):
-            ckpt.save(3, app, blocking=True)
-        assert not [p.name for p in stage.iterdir() if p.name.startswith("step-3")]
-        fault_proxy.down = set()
-        ckpt.save(4, app, blocking=True)
-        assert ckpt.steps() == [1, 4]
+    caplog.clear()
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store)
+    said = [r.getMessage() for r in caplog.records if "not on the store yet" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: committed in {stage / 'step-3'}"), said
+    train_step(app)
+    ckpt.save(4, app, blocking=True)  # still out: step 5 is of the abandoned branch, no reason to fail
+    fault_proxy.down = set()
+    train_step(app)
+    ckpt.save(6, app, blocking=True)
+    assert ckpt.steps() == [1, 3, 4, 6]
+    ckpt.close()
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4, 6))
+    relaunched = make_app(seed=2)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "other", signals=()) as again:
+        assert again.restore_latest(relaunched).step == 6
+    assert same_state(relaunched, app)
+
+
+def test_a_rollback_staged_during_an_outage_survives_close_and_is_applied_by_the_next_checkpointer(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """close() during the outage fails naming staged step 3 (and the rollback waiting with it); the next Checkpointer
+    of that staging dir restores step 3, not the abandoned step 5 the store still calls committed, and its first save
+    supersedes 2 and 5 on the store, then uploads 3 and itself."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    stage = tmp_path / "stage"
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store)
+    with pytest.raises(CheckpointError, match=rf"^{url}: step 3 is committed only in {stage / 'step-3'} \(not on the "
+                                              r"store: .*\), after a rollback to step 1 that supersedes steps 2, 5 on "
+                                              rf"the store: the next Checkpointer\({url!r}, staging_dir="):
+        ckpt.close()
+    fault_proxy.down = set()
+    restored = make_app(seed=3)
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.steps() == [1]
+        assert again.restore_latest(restored).step == 3
+        assert same_state(restored, app)
+        train_step(restored)
+        again.save(4, restored, blocking=True)
+        assert again.steps() == [1, 3, 4]
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4))
+    assert not (stage / ".fastio-unsent.json").exists()
+
+
+def test_a_rollback_staged_during_an_outage_is_not_applied_when_another_writer_continued(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Node A rolled back to step 1 and staged step 3 during an outage; the job, requeued on node B, restored the
+    store's newest (step 5: the store never saw the rollback) and saved step 6. Requeued on A, the staged rollback
+    is of a branch given up: step 3 is neither restored nor uploaded, and B's steps 5 and 6 are not superseded."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    ckpt, app, _ = _rolled_back_during_an_outage(url, options, tmp_path / "A", fault_proxy, s3_bucket, store)
+    with pytest.raises(CheckpointError, match="step 3 is committed only in"):
+        ckpt.close()
+    fault_proxy.down = set()
+    branch = make_app(seed=7)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "B", signals=()) as other:
+        assert other.restore_latest(branch).step == 5
+        train_step(branch)
+        other.save(6, branch, blocking=True)
+    restored = make_app(seed=9)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as again:
+        assert again.restore_latest(restored).step == 6
+        assert same_state(restored, branch)
+        again.save(7, restored, blocking=True)
+        assert again.steps() == [1, 2, 5, 6, 7]
+    assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()
 
 
 def test_a_staged_step_the_store_superseded_is_not_uploaded_again(moto_server, s3_bucket, tmp_path, caplog):
