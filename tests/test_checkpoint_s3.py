@@ -688,3 +688,34 @@ def test_close_after_the_lease_was_taken_during_an_outage_names_the_step_left_st
         ckpt.close()
     assert (tmp_path / "A" / "step-2" / naming.COMMIT_FILE).is_file()
     assert ckpt.steps() == [1]
+
+
+def test_a_step_whose_upload_the_store_refuses_is_named_by_close_as_left_in_the_staging_dir(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Before: credentials that expire as a step's upload starts (403 on its objects) failed that save with 'upload
+    failed: ... (the previous checkpoint is intact)', though the step stays committed in the staging dir, and close()
+    then returned quietly: nothing said the step was on the node only (the outage case's close() names it). Now a
+    refused upload counts as one left to do: close() tries again and, refused still, names the step and its folder;
+    the next Checkpointer of that staging dir restores and uploads it."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    stage = tmp_path / "stage"
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=options, staging_dir=stage, signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.forbidden = {f"/{s3_bucket}/ckpt/step-2/"}
+    train_step(app)
+    with pytest.raises(CheckpointError, match=rf"^{url}/step-2: checkpoint write failed: {url}: upload failed: "
+                                              rf"{url}/step-2/.*access denied"):
+        ckpt.save(2, app, blocking=True)
+    with pytest.raises(CheckpointError, match=rf"^{url}: upload failed: .*access denied.*; step 2 is committed only in "
+                                              rf"{stage / 'step-2'} \(not uploaded\)$"):
+        ckpt.close()
+    fault_proxy.forbidden = set()
+    restored = make_app(seed=3)
+    with Checkpointer(url, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.restore_latest(restored).step == 2
+        assert same_state(restored, app)
+        again.save(3, restored, blocking=True)
+        assert again.steps() == [1, 2, 3]
+

@@ -535,9 +535,10 @@ class RemoteCheckpoints:
                             outage)
 
     def upload_unsent(self, keep: int) -> None:
-        """``close()``: when a commit met an outage, upload what the store still lacks (:meth:`after_commit`, each
-        request within ``deadline_s``); a CheckpointError naming the steps still committed only in the staging dir,
-        where they are and what uploads them (or, when the upload was refused, a lost lease, that it did not)."""
+        """``close()``: when a commit's upload met an outage or a refusal, upload what the store still lacks
+        (:meth:`after_commit`, each request within ``deadline_s``); a CheckpointError naming the steps still committed
+        only in the staging dir, where they are and what uploads them (or, when the upload was refused, a lost lease,
+        that it did not)."""
         if not self._unsent:
             return
         try:
@@ -643,13 +644,14 @@ class RemoteCheckpoints:
             self._push_staged(set(self._known))
             self._retain(keep)
         except LeaseLostError as err:
+            self._unsent = True  # close() names the steps left in the staging dir
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except (StorageError, CheckpointError) as err:
+            self._unsent = True  # a refusal too (credentials expired): close() tries again, else names the steps
             outage = _outage_of(err)
             if outage is None:
                 raise (err if isinstance(err, CheckpointError) else
                        CheckpointError(f"{self.url}: upload failed: {err}")) from None
-            self._unsent = True
             return outage
         self._unsent = False
         return None
