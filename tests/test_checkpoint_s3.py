@@ -719,3 +719,52 @@ def test_a_step_whose_upload_the_store_refuses_is_named_by_close_as_left_in_the_
         again.save(3, restored, blocking=True)
         assert again.steps() == [1, 2, 3]
 
+
+def test_a_step_staged_after_two_rollbacks_replaces_the_abandoned_step_of_its_number(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Rollback to 1, step 3 staged during an outage; the store answers for a restore (a rollback to 1 again), then
+    is out again: step 2 staged (the store's step 2 is of the abandoned branch). When the store answers, 2 and 5 are
+    superseded there, the abandoned step 2 moved aside (never written over) and the new step 2 uploaded; staged
+    step 3 (superseded in the staging dir) is not."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    ckpt, app, _ = _rolled_back_during_an_outage(url, options, tmp_path / "A", fault_proxy, s3_bucket, store)
+    fault_proxy.down = set()
+    assert ckpt.restore_latest(app, step=1).step == 1
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(2, app, blocking=True)
+    fault_proxy.down = set()
+    train_step(app)
+    ckpt.save(4, app, blocking=True)
+    assert ckpt.steps() == [1, 2, 4]
+    ckpt.close()
+    rows = sorted((r["step"], r["state"]) for r in catalog.list_steps(url, options)[1])
+    assert rows == [(1, "committed"), (2, "committed"), (2, "quarantined"), (4, "committed"), (5, "superseded")], rows
+    assert store.head("step-2.quarantined/fastio-superseded.json") is not None
+    assert not [o.key for o in store.list() if o.key.startswith("step-3/")]
+    relaunched = make_app(seed=2)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "other", signals=()) as again:
+        assert again.restore_latest(relaunched).step == 4
+        assert again.restore_latest(relaunched, step=2).step == 2
+
+
+def test_an_outage_in_the_middle_of_a_staged_rollback_is_finished_by_the_next_upload(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """The store answers again but for step 5's keys: the staged rollback's record is written and step 2 superseded,
+    step 5 not (an outage), and nothing of step 3 uploaded. Once the store answers for all, the next upload (here
+    close()'s) finishes that rollback (no fastio-rollback.json left on the store) before the staged steps go up."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, tmp_path / "A", fault_proxy, s3_bucket, store)
+    fault_proxy.down = {"/ckpt/step-5/"}
+    train_step(app)
+    ckpt.save(4, app, blocking=True)
+    assert store.head("fastio-rollback.json") is not None and store.head("step-5/fastio-commit.json") is not None
+    assert store.head("step-3/fastio-commit.json") is None
+    fault_proxy.down = set()
+    ckpt.close()  # uploads what is staged: the rollback finished first
+    assert store.head("fastio-rollback.json") is None
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4))

@@ -625,7 +625,8 @@ class RemoteCheckpoints:
         doomed = staged.supersedes & remote
         if doomed:
             rollback.start_remote_rollback(self.mirror.storage, staged.rollback_to, lambda: doomed, self._confirm)
-            rollback.finish_remote_rollback(self.mirror.storage, self._confirm)
+        rollback.finish_remote_rollback(self.mirror.storage, self._confirm)  # also one an outage cut short
+        if doomed:
             log.warning("fastio: %s: uploading step %d, staged after a rollback to step %d during an outage: %s %s "
                         "superseded (files kept, no longer checkpoints)", self.url, step, staged.rollback_to,
                         agree(len(doomed), "step"), ", ".join(map(str, sorted(doomed))))
