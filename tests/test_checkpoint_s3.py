@@ -768,3 +768,33 @@ def test_an_outage_in_the_middle_of_a_staged_rollback_is_finished_by_the_next_up
     ckpt.close()  # uploads what is staged: the rollback finished first
     assert store.head("fastio-rollback.json") is None
     _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4))
+
+
+def test_a_rollback_staged_with_a_step_retention_removes_before_its_upload_is_carried_by_the_next(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """keep=2, steps 1 and 2 on the store; restore_latest(step=1), then during an outage steps 3, 4 and 6 are staged:
+    retention in the staging dir removes step 3 (the one the rollback was staged with) before any upload. The
+    rollback must not go with it: once the store answers, step 2 is superseded (kept, as a rollback keeps the abandoned
+    branch), not taken for the newest checkpoint's predecessor and deleted by retention."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    app = make_app()
+    with Checkpointer(url, keep=2, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        for step in (1, 2):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        abandoned = {o.key for o in store.list() if o.key.startswith("step-2/")}
+        assert ckpt.restore_latest(app, step=1).step == 1
+        fault_proxy.down = {f"/{s3_bucket}"}
+        for step in (3, 4, 6):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        fault_proxy.down = set()
+        train_step(app)
+        ckpt.save(7, app, blocking=True)
+        assert ckpt.steps() == [6, 7]
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {2: "superseded", 6: "committed", 7: "committed"}, rows
+    assert {o.key for o in store.list() if o.key.startswith("step-2/")} == (
+        abandoned - {"step-2/fastio-commit.json"} | {"step-2/fastio-superseded.json"})

@@ -307,12 +307,22 @@ class RemoteCheckpoints:
             if self._outage is None or not self._may_defer():
                 self._outage = None
                 raise self._cannot_supersede(err, floor) from None
-            above = {s for s in self._known or () if s > floor}  # also those a staged rollback supersedes already
-            self._deferred = (floor, above) if above else None
+            self._stage_rollback(floor, {s for s in self._known or () if s > floor})
             return []
         if self._known is not None:
             self._known -= set(doomed)
+        self._stage_rollback(floor, set())
         return doomed
+
+    def _stage_rollback(self, floor: int, above: set[int]) -> None:
+        """The rollback this commit's step is staged with (:meth:`record_staged`): the store's steps ``above`` this
+        commit's floor that an outage kept it from superseding, and those of the rollbacks staged with steps not
+        uploaded yet, which this commit's rollback or retention in the staging dir may remove before their upload
+        (their abandoned steps would then stay checkpoints on the store, for its retention to delete)."""
+        earlier = list(self._staged_rollbacks(self._known or set()).values())
+        supersedes = above.union(*(r.supersedes for r in earlier))
+        floors = [floor] if above else []
+        self._deferred = (min(floors + [r.rollback_to for r in earlier]), supersedes) if supersedes else None
 
     def finish_rollback(self) -> list[int]:
         """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
@@ -609,6 +619,7 @@ class RemoteCheckpoints:
                 continue
             if rolled:
                 self._supersede_staged(entry.step, rolled, remote)
+                rollbacks = self._staged_rollbacks(remote)
             self.make_room(entry.step)
             self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
             remote.add(entry.step)
@@ -620,8 +631,9 @@ class RemoteCheckpoints:
     def _supersede_staged(self, step: int, staged: Unsent, remote: set[int]) -> None:
         """Before staged ``step`` is uploaded: the rollback staged with it done on the store (as
         :meth:`start_rollback` and :meth:`finish_rollback` do: the record, then each marker renamed, every object
-        kept) for its steps the store (``remote``) still commits, then dropped from :data:`UNSENT_RECORD`, so that
-        once the step is on the store nothing supersedes it."""
+        kept) for its steps the store (``remote``) still commits, then dropped from :data:`UNSENT_RECORD`, from every
+        step's entry (the steps staged after it carry it too), so that a step uploaded since with the number of an
+        abandoned one is never superseded by them."""
         doomed = staged.supersedes & remote
         if doomed:
             rollback.start_remote_rollback(self.mirror.storage, staged.rollback_to, lambda: doomed, self._confirm)
@@ -633,7 +645,9 @@ class RemoteCheckpoints:
             remote -= doomed
             self._known = set(remote)
         records = self._unsent_records()
-        records[step] = replace(staged, rollback_to=None, supersedes=set())
+        for s, record in records.items():
+            left = record.supersedes - staged.supersedes
+            records[s] = replace(record, rollback_to=record.rollback_to if left else None, supersedes=left)
         self._write_unsent(records)
 
     def _upload(self, keep: int) -> StorageError | None:
