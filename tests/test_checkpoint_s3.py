@@ -798,3 +798,33 @@ def test_a_rollback_staged_with_a_step_retention_removes_before_its_upload_is_ca
     assert rows == {2: "superseded", 6: "committed", 7: "committed"}, rows
     assert {o.key for o in store.list() if o.key.startswith("step-2/")} == (
         abandoned - {"step-2/fastio-commit.json"} | {"step-2/fastio-superseded.json"})
+
+
+def test_a_rollback_that_cannot_be_recorded_in_the_staging_dir_fails_the_save_before_its_commit(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """The first save after restore_latest(step=1) during an outage cannot write its rollback to the staging dir
+    (.fastio-unsent.json unwritable): the save fails naming that file, before step 3 is committed (committed without
+    its rollback, it would be uploaded beside the abandoned steps 2 and 5, and 5 restored as the newest); the next
+    save once the store answers does the rollback."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    stage = tmp_path / "stage"
+    app = make_app()
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as ckpt:
+        for step in (1, 2, 5):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        assert ckpt.restore_latest(app, step=1).step == 1
+        (stage / ".fastio-unsent.json").mkdir()
+        fault_proxy.down = {f"/{s3_bucket}"}
+        train_step(app)
+        with pytest.raises(CheckpointError, match=rf"^{url}/step-3: checkpoint write failed: "
+                                                  rf"{stage / '.fastio-unsent.json'}: cannot write: "):
+            ckpt.save(3, app, blocking=True)
+        assert not [p.name for p in stage.iterdir() if p.name.startswith("step-3")]
+        (stage / ".fastio-unsent.json").rmdir()
+        fault_proxy.down = set()
+        ckpt.save(4, app, blocking=True)
+        assert ckpt.steps() == [1, 4]
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {1: "committed", 2: "superseded", 4: "committed", 5: "superseded"}, rows

@@ -427,10 +427,12 @@ class RemoteCheckpoints:
         return rollback.SUPERSEDED_FILE if rollback.SUPERSEDED_FILE in keys else None
 
     def record_staged(self, step: int) -> None:
-        """Rank 0, once ``step`` is committed in the staging dir, before its upload: note in :data:`UNSENT_RECORD`
-        the store's committed steps this writer knows now and the steps staged before it, not uploaded yet, which
-        this writer uploads first (nothing when it has not listed the store), and the rollback an outage held up
-        (:meth:`start_rollback`), done on the store before this step is uploaded."""
+        """Rank 0, before ``step`` is committed in the staging dir (a step committed without the rollback staged with
+        it would be uploaded beside the abandoned steps; an entry of a step whose commit fails is dropped by the next
+        upload, or replaced by its next commit): note in :data:`UNSENT_RECORD` the store's committed steps this
+        writer knows now and the steps staged before it, not uploaded yet, which this writer uploads first (nothing
+        when it has not listed the store), and the rollback an outage held up (:meth:`start_rollback`), done on the
+        store before this step is uploaded. CheckpointError naming the record when it cannot be written."""
         deferred, self._deferred = self._deferred, None
         if self._known is None:
             return
@@ -452,10 +454,13 @@ class RemoteCheckpoints:
 
     def _write_unsent(self, records: dict[int, Unsent]) -> None:
         path = self.root / UNSENT_RECORD
-        if records:
-            atomic_write_bytes(path, json.dumps({str(k): v.encode() for k, v in sorted(records.items())}).encode())
-        else:
-            path.unlink(missing_ok=True)
+        try:
+            if records:
+                atomic_write_bytes(path, json.dumps({str(k): v.encode() for k, v in sorted(records.items())}).encode())
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot write: {err.strerror or err}") from None
 
     def _staged_rollbacks(self, store: set[int]) -> dict[int, Unsent]:
         """The steps committed in the staging dir with a rollback staged with them that is still to do: the store
