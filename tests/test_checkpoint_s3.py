@@ -523,28 +523,34 @@ def test_the_first_save_after_a_rollback_during_a_store_outage_is_staged_and_sup
 
 def test_a_rollback_staged_during_an_outage_survives_close_and_is_applied_by_the_next_checkpointer(
         moto_server, s3_bucket, fault_proxy, tmp_path):
-    """close() during the outage fails naming staged step 3 (and the rollback waiting with it); the next Checkpointer
-    of that staging dir restores step 3, not the abandoned step 5 the store still calls committed, and its first save
-    supersedes 2 and 5 on the store, then uploads 3 and itself."""
+    """close() during the outage fails naming staged steps 3 and 4 and the rollback waiting with them (once, though
+    both carry it), and what a job resumed elsewhere does; the next Checkpointer of that staging dir restores step 4,
+    not the abandoned step 5 the store still calls committed, and its first save supersedes 2 and 5 on the store,
+    then uploads 3, 4 and itself."""
     url = f"s3://{s3_bucket}/ckpt"
     options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
     store = open_storage(url, moto_server.options())
     stage = tmp_path / "stage"
     ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store)
-    with pytest.raises(CheckpointError, match=rf"^{url}: step 3 is committed only in {stage / 'step-3'} \(not on the "
-                                              r"store: .*\), after a rollback to step 1 that supersedes steps 2, 5 on "
-                                              rf"the store: the next Checkpointer\({url!r}, staging_dir="):
+    train_step(app)
+    ckpt.save(4, app, blocking=True)  # carries the rollback too: still named once
+    with pytest.raises(CheckpointError, match=rf"^{url}: steps 3, 4 are committed only in {stage} \(step-3, step-4\) "
+                                              r"\(not on the store: .*\), after a rollback to step 1 that supersedes "
+                                              rf"steps 2, 5 on the store: the next Checkpointer\({url!r}, staging_dir="
+                                              r".*; a job resumed with another staging dir restores from the store, "
+                                              r"which does not know of the rollback: restore_latest\(\.\.\., step=1\) "
+                                              r"there repeats it$"):
         ckpt.close()
     fault_proxy.down = set()
     restored = make_app(seed=3)
     with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as again:
         assert again.steps() == [1]
-        assert again.restore_latest(restored).step == 3
+        assert again.restore_latest(restored).step == 4
         assert same_state(restored, app)
         train_step(restored)
-        again.save(4, restored, blocking=True)
-        assert again.steps() == [1, 3, 4]
-    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4))
+        again.save(6, restored, blocking=True)
+        assert again.steps() == [1, 3, 4, 6]
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4, 6))
     assert not (stage / ".fastio-unsent.json").exists()
 
 

@@ -567,17 +567,28 @@ class RemoteCheckpoints:
         unsent = self.unsent() if outage is not None else []
         if unsent:
             them = "it" if len(unsent) == 1 else "them"
+            rolled = self._rollbacks_staged()
+            elsewhere = (f"; a job resumed with another staging dir restores from the store, which does not know of the "
+                         f"rollback: restore_latest(..., step={self._rollback_floor()}) there repeats it") if rolled else ""
             raise CheckpointError(
-                f"{self.url}: {self._only_staged(unsent)} (not on the store: {outage}){self._rollbacks_staged()}: the "
-                f"next Checkpointer({self.url!r}, staging_dir={str(self.root)!r}) uploads {them} at its first save "
-                "(its restore_latest restores the newest first); keep the staging dir until then")
+                f"{self.url}: {self._only_staged(unsent)} (not on the store: {outage}){rolled}: the next Checkpointer("
+                f"{self.url!r}, staging_dir={str(self.root)!r}) uploads {them} at its first save (its restore_latest "
+                f"restores the newest first); keep the staging dir until then{elsewhere}")
+
+    def _rollback_floor(self) -> int | None:
+        """The lowest floor of the rollbacks staged in the staging dir and not done on the store yet (None: none)."""
+        floors = [r.rollback_to for r in self._staged_rollbacks(self._known or set()).values()]
+        return min(floors) if floors else None  # type: ignore[type-var]
 
     def _rollbacks_staged(self) -> str:
-        """``, after a rollback to step 1 that supersedes steps 2, 5 on the store`` for each rollback staged in the
-        staging dir and not done on the store yet (empty when there is none)."""
+        """``, after a rollback to step 1 that supersedes steps 2, 5 on the store`` when rollbacks staged in the
+        staging dir are not done on the store yet (one clause: the steps staged after one carry it too), else ``""``."""
         rollbacks = self._staged_rollbacks(self._known or set()).values()
-        return "".join(f", after a rollback to step {r.rollback_to} that supersedes {agree(len(r.supersedes), 'step')} "
-                       f"{', '.join(map(str, sorted(r.supersedes)))} on the store" for r in rollbacks)
+        doomed = sorted(set().union(*(r.supersedes for r in rollbacks)))
+        if not doomed:
+            return ""
+        return (f", after a rollback to step {self._rollback_floor()} that supersedes {agree(len(doomed), 'step')} "
+                f"{', '.join(map(str, doomed))} on the store")
 
     def _only_staged(self, unsent: list[Path]) -> str:
         """``step 4 is committed only in /stage/step-4`` (``steps 2, 4 are ... in /stage (step-2, step-4)``)."""
