@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 
 import pytest
@@ -834,3 +835,31 @@ def test_a_rollback_that_cannot_be_recorded_in_the_staging_dir_fails_the_save_be
         assert ckpt.steps() == [1, 4]
     rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
     assert rows == {1: "committed", 2: "superseded", 4: "committed", 5: "superseded"}, rows
+
+
+def test_a_save_to_a_bucket_deleted_under_the_run_fails_naming_it_and_stages_nothing(
+        moto_server, s3_bucket, tmp_path):
+    """The bucket is deleted while the Checkpointer holds the prefix: the save fails with one line naming the prefix
+    and 'no such bucket' (before: 'cannot supersede the steps above 2', as if there were steps to supersede: every
+    commit checks for them, and the store's steps could not be listed), nothing of step 2 is left in the staging
+    dir, and close() does not raise."""
+    url = f"s3://{s3_bucket}/ckpt"
+    stage = tmp_path / "stage"
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=moto_server.options(deadline_s=1, backoff_s=0.05), staging_dir=stage,
+                        signals=())
+    ckpt.save(1, app, blocking=True)
+    bucket = open_storage(f"s3://{s3_bucket}", moto_server.options())
+    for o in bucket.list():
+        bucket.delete(o.key)
+    conn = http.client.HTTPConnection("127.0.0.1", moto_server.port, timeout=10)
+    conn.request("DELETE", f"/{s3_bucket}")
+    assert conn.getresponse().status == 204
+    conn.close()
+    train_step(app)
+    with pytest.raises(CheckpointError, match=rf"^{url}/step-2: checkpoint write failed: {url}: cannot check or "
+                                              rf"supersede the committed steps above step 2: {url}: LIST failed: no such "
+                                              r"bucket [^\n]*$"):
+        ckpt.save(2, app, blocking=True)
+    assert not [p.name for p in stage.iterdir() if p.name.startswith("step-2")]
+    ckpt.close()

@@ -351,9 +351,11 @@ class RemoteCheckpoints:
         return self.lease is None or (self.lease.held and self.lease.lost is None)
 
     def _cannot_supersede(self, err: Exception, floor: int | None) -> CheckpointError:
-        """The CheckpointError of a rollback that failed on the store."""
-        above = f" above {floor}" if floor is not None else " of a rollback"
-        return CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}")
+        """The CheckpointError of a rollback that failed on the store: before a commit, every commit checks for committed
+        steps above its floor (most often there are none), so that step names both."""
+        what = f"check or supersede the committed steps above step {floor}" if floor is not None else \
+            "supersede the steps of a rollback"
+        return CheckpointError(f"{self.url}: cannot {what}: {err}")
 
     def make_room(self, step: int) -> str | None:
         """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
