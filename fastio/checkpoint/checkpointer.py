@@ -373,7 +373,8 @@ class Checkpointer:
         self.close()
 
     def steps(self) -> list[int]:
-        """Committed steps in DIR (for an ``s3://`` dir: on the store), oldest first."""
+        """Committed steps in DIR (for an ``s3://`` dir: on the store, less the steps a rollback staged in the staging
+        dir during an outage supersedes at its upload), oldest first."""
         return self._commit.steps()
 
     def restore_latest(self, app: dict[str, Any], step: int | None = None, *, strict: bool = True,
