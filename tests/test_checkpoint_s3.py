@@ -863,3 +863,35 @@ def test_a_save_to_a_bucket_deleted_under_the_run_fails_naming_it_and_stages_not
         ckpt.save(2, app, blocking=True)
     assert not [p.name for p in stage.iterdir() if p.name.startswith("step-2")]
     ckpt.close()
+
+
+def test_credentials_that_expire_before_a_staged_rollback_is_applied_leave_it_staged_and_named(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Step 3 staged with its rollback during an outage; the store answers, but refuses the rollback record
+    (credentials expired: 403). The next save fails naming the URL, before its commit; nothing is superseded or
+    uploaded; close() names staged step 3 and the rollback still waiting; with credentials renewed, the next
+    Checkpointer of that staging dir restores step 3 and applies the rollback at its first save."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    stage = tmp_path / "stage"
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store)
+    fault_proxy.down, fault_proxy.forbidden = set(), {"/ckpt/fastio-rollback.json"}
+    train_step(app)
+    with pytest.raises(CheckpointError, match=rf"^{url}/step-4: checkpoint write failed: {url}: cannot check or "
+                                              r"supersede the committed steps above step 4: .*access denied"):
+        ckpt.save(4, app, blocking=True)
+    assert not [p.name for p in stage.iterdir() if p.name.startswith("step-4")]
+    with pytest.raises(CheckpointError, match=rf"access denied.*; step 3 is committed only in {stage / 'step-3'} "
+                                              r"\(not uploaded\), after a rollback to step 1 that supersedes steps 2, 5 "
+                                              r"on the store$"):
+        ckpt.close()
+    assert {r["step"]: r["state"] for r in catalog.list_steps(url, moto_server.options())[1]} == {
+        1: "committed", 2: "committed", 5: "committed"}
+    fault_proxy.forbidden = set()
+    restored = make_app(seed=4)
+    with Checkpointer(url, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.restore_latest(restored).step == 3
+        again.save(6, restored, blocking=True)
+        assert again.steps() == [1, 3, 6]
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 6))
