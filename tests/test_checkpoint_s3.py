@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import http.client
 import json
 
 import pytest
@@ -464,31 +465,120 @@ def test_a_save_during_a_store_outage_is_committed_locally_and_uploaded_when_the
         assert again.steps() == [1, 2, 3, 4, 5]
 
 
-def test_the_first_save_after_a_rollback_during_a_store_outage_fails_naming_what_it_must_supersede(
-        moto_server, s3_bucket, fault_proxy, tmp_path):
-    """The exception to committing in the staging dir during an outage: after restore_latest(step=1) with step 2 on
-    the store, the next commit must first supersede step 2 there (a local-only step 3 beside a committed step 2 of
-    the abandoned branch would be superseded by it at the next restore). That save fails naming step 2, nothing is
-    committed, and the next save once the store answers does the rollback."""
+def _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store):
+    """Steps 1, 2 and 5 on the store; restore_latest(step=1), then the store goes out and step 3 is saved: the
+    app saved, and the objects of the abandoned steps 2 and 5 as they were."""
+    app = make_app()
+    ckpt = Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=())
+    for step in (1, 2, 5):
+        train_step(app)
+        ckpt.save(step, app, blocking=True)
+    abandoned = {o.key: store.get(o.key) for o in store.list() if o.key.startswith(("step-2/", "step-5/"))}
+    assert ckpt.restore_latest(app, step=1).step == 1
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(3, app, blocking=True)  # no error: committed in the staging dir, its rollback with it
+    assert (stage / "step-3" / naming.COMMIT_FILE).is_file()
+    return ckpt, app, abandoned
+
+
+def _assert_superseded_keeping_objects(url, options, store, abandoned, committed):
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {2: "superseded", 5: "superseded", **{s: "committed" for s in committed}}, rows
+    now = {o.key: store.get(o.key) for o in store.list() if o.key.startswith(("step-2/", "step-5/"))}
+    for step in (2, 5):
+        marker = abandoned.pop(f"step-{step}/fastio-commit.json")
+        assert now.pop(f"step-{step}/fastio-superseded.json") == marker
+    assert now == abandoned
+
+
+def test_the_first_save_after_a_rollback_during_a_store_outage_is_staged_and_supersedes_at_upload(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Before: after restore_latest(step=1) with steps 2 and 5 on the store, a save during a store outage failed (the
+    rollback had to supersede 2 and 5 on the store first), although a save without a rollback is committed in the
+    staging dir: the job lost its progress until the store answered. Now the rollback is recorded in the staging dir
+    with the step: step 3 is committed there, step 4 after it too (5 no longer counts as the store's newest), and
+    once the store answers the next save supersedes 2 and 5 on the store exactly as a rollback does (markers kept as
+    fastio-superseded.json, every object kept), then uploads 3, 4 and itself; a restore gets the new branch."""
     url = f"s3://{s3_bucket}/ckpt"
     options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
     stage = tmp_path / "stage"
-    app = make_app()
-    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as ckpt:
-        ckpt.save(1, app, blocking=True)
-        train_step(app)
-        ckpt.save(2, app, blocking=True)
-        assert ckpt.restore_latest(app, step=1).step == 1
-        fault_proxy.down = {f"/{s3_bucket}"}
-        # the failed step named by its URL (was the staging dir's step-3, a local path the run never named)
-        with pytest.raises(CheckpointError, match=rf"^{url}/step-3: checkpoint write failed: {url}: cannot supersede the "
-                                                  r"steps above 1: .*\(step 2 on the store must be superseded before "
-                                                  r"this step is committed: a rollback waits for the store\)"):
-            ckpt.save(3, app, blocking=True)
-        assert not [p.name for p in stage.iterdir() if p.name.startswith("step-3")]
-        fault_proxy.down = set()
-        ckpt.save(4, app, blocking=True)
-        assert ckpt.steps() == [1, 4]
+    caplog.clear()
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store)
+    said = [r.getMessage() for r in caplog.records if "not on the store yet" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith(f"fastio: {url}/step-3: committed in {stage / 'step-3'}"), said
+    train_step(app)
+    ckpt.save(4, app, blocking=True)  # still out: step 5 is of the abandoned branch, no reason to fail
+    fault_proxy.down = set()
+    train_step(app)
+    ckpt.save(6, app, blocking=True)
+    assert ckpt.steps() == [1, 3, 4, 6]
+    ckpt.close()
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4, 6))
+    relaunched = make_app(seed=2)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "other", signals=()) as again:
+        assert again.restore_latest(relaunched).step == 6
+    assert same_state(relaunched, app)
+
+
+def test_a_rollback_staged_during_an_outage_survives_close_and_is_applied_by_the_next_checkpointer(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """close() during the outage fails naming staged steps 3 and 4 and the rollback waiting with them (once, though
+    both carry it), and what a job resumed elsewhere does; the next Checkpointer of that staging dir restores step 4,
+    not the abandoned step 5 the store still calls committed, and its first save supersedes 2 and 5 on the store,
+    then uploads 3, 4 and itself."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    stage = tmp_path / "stage"
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store)
+    train_step(app)
+    ckpt.save(4, app, blocking=True)  # carries the rollback too: still named once
+    with pytest.raises(CheckpointError, match=rf"^{url}: steps 3, 4 are committed only in {stage} \(step-3, step-4\) "
+                                              r"\(not on the store: .*\), after a rollback to step 1 that supersedes "
+                                              rf"steps 2, 5 on the store: the next Checkpointer\({url!r}, staging_dir="
+                                              r".*; a job resumed with another staging dir restores from the store, "
+                                              r"which does not know of the rollback: restore_latest\(\.\.\., step=1\) "
+                                              r"there repeats it$"):
+        ckpt.close()
+    fault_proxy.down = set()
+    restored = make_app(seed=3)
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.steps() == [1]
+        assert again.restore_latest(restored).step == 4
+        assert same_state(restored, app)
+        train_step(restored)
+        again.save(6, restored, blocking=True)
+        assert again.steps() == [1, 3, 4, 6]
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4, 6))
+    assert not (stage / ".fastio-unsent.json").exists()
+
+
+def test_a_rollback_staged_during_an_outage_is_not_applied_when_another_writer_continued(
+        moto_server, s3_bucket, fault_proxy, tmp_path, caplog):
+    """Node A rolled back to step 1 and staged step 3 during an outage; the job, requeued on node B, restored the
+    store's newest (step 5: the store never saw the rollback) and saved step 6. Requeued on A, the staged rollback
+    is of a branch given up: step 3 is neither restored nor uploaded, and B's steps 5 and 6 are not superseded."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    ckpt, app, _ = _rolled_back_during_an_outage(url, options, tmp_path / "A", fault_proxy, s3_bucket, store)
+    with pytest.raises(CheckpointError, match="step 3 is committed only in"):
+        ckpt.close()
+    fault_proxy.down = set()
+    branch = make_app(seed=7)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "B", signals=()) as other:
+        assert other.restore_latest(branch).step == 5
+        train_step(branch)
+        other.save(6, branch, blocking=True)
+    restored = make_app(seed=9)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "A", signals=()) as again:
+        assert again.restore_latest(restored).step == 6
+        assert same_state(restored, branch)
+        again.save(7, restored, blocking=True)
+        assert again.steps() == [1, 2, 5, 6, 7]
+    assert (tmp_path / "A" / "step-3.quarantined" / naming.COMMIT_FILE).is_file()
 
 
 def test_a_staged_step_the_store_superseded_is_not_uploaded_again(moto_server, s3_bucket, tmp_path, caplog):
@@ -605,3 +695,203 @@ def test_close_after_the_lease_was_taken_during_an_outage_names_the_step_left_st
         ckpt.close()
     assert (tmp_path / "A" / "step-2" / naming.COMMIT_FILE).is_file()
     assert ckpt.steps() == [1]
+
+
+def test_a_step_whose_upload_the_store_refuses_is_named_by_close_as_left_in_the_staging_dir(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Before: credentials that expire as a step's upload starts (403 on its objects) failed that save with 'upload
+    failed: ... (the previous checkpoint is intact)', though the step stays committed in the staging dir, and close()
+    then returned quietly: nothing said the step was on the node only (the outage case's close() names it). Now a
+    refused upload counts as one left to do: close() tries again and, refused still, names the step and its folder;
+    the next Checkpointer of that staging dir restores and uploads it."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    stage = tmp_path / "stage"
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=options, staging_dir=stage, signals=())
+    ckpt.save(1, app, blocking=True)
+    fault_proxy.forbidden = {f"/{s3_bucket}/ckpt/step-2/"}
+    train_step(app)
+    with pytest.raises(CheckpointError, match=rf"^{url}/step-2: checkpoint write failed: {url}: upload failed: "
+                                              rf"{url}/step-2/.*access denied"):
+        ckpt.save(2, app, blocking=True)
+    with pytest.raises(CheckpointError, match=rf"^{url}: upload failed: .*access denied.*; step 2 is committed only in "
+                                              rf"{stage / 'step-2'} \(not uploaded\)$"):
+        ckpt.close()
+    fault_proxy.forbidden = set()
+    restored = make_app(seed=3)
+    with Checkpointer(url, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.restore_latest(restored).step == 2
+        assert same_state(restored, app)
+        again.save(3, restored, blocking=True)
+        assert again.steps() == [1, 2, 3]
+
+
+def test_a_step_staged_after_two_rollbacks_replaces_the_abandoned_step_of_its_number(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Rollback to 1, step 3 staged during an outage; the store answers for a restore (a rollback to 1 again), then
+    is out again: step 2 staged (the store's step 2 is of the abandoned branch). When the store answers, 2 and 5 are
+    superseded there, the abandoned step 2 moved aside (never written over) and the new step 2 uploaded; staged
+    step 3 (superseded in the staging dir) is not."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    ckpt, app, _ = _rolled_back_during_an_outage(url, options, tmp_path / "A", fault_proxy, s3_bucket, store)
+    fault_proxy.down = set()
+    assert ckpt.restore_latest(app, step=1).step == 1
+    fault_proxy.down = {f"/{s3_bucket}"}
+    train_step(app)
+    ckpt.save(2, app, blocking=True)
+    fault_proxy.down = set()
+    train_step(app)
+    ckpt.save(4, app, blocking=True)
+    assert ckpt.steps() == [1, 2, 4]
+    ckpt.close()
+    rows = sorted((r["step"], r["state"]) for r in catalog.list_steps(url, options)[1])
+    assert rows == [(1, "committed"), (2, "committed"), (2, "quarantined"), (4, "committed"), (5, "superseded")], rows
+    assert store.head("step-2.quarantined/fastio-superseded.json") is not None
+    assert not [o.key for o in store.list() if o.key.startswith("step-3/")]
+    relaunched = make_app(seed=2)
+    with Checkpointer(url, storage_options=options, staging_dir=tmp_path / "other", signals=()) as again:
+        assert again.restore_latest(relaunched).step == 4
+        assert again.restore_latest(relaunched, step=2).step == 2
+
+
+def test_an_outage_in_the_middle_of_a_staged_rollback_is_finished_by_the_next_upload(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """The store answers again but for step 5's keys: the staged rollback's record is written and step 2 superseded,
+    step 5 not (an outage), and nothing of step 3 uploaded. Once the store answers for all, the next upload (here
+    close()'s) finishes that rollback (no fastio-rollback.json left on the store) before the staged steps go up."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, tmp_path / "A", fault_proxy, s3_bucket, store)
+    fault_proxy.down = {"/ckpt/step-5/"}
+    train_step(app)
+    ckpt.save(4, app, blocking=True)
+    assert store.head("fastio-rollback.json") is not None and store.head("step-5/fastio-commit.json") is not None
+    assert store.head("step-3/fastio-commit.json") is None
+    fault_proxy.down = set()
+    ckpt.close()  # uploads what is staged: the rollback finished first
+    assert store.head("fastio-rollback.json") is None
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 4))
+
+
+def test_a_rollback_staged_with_a_step_retention_removes_before_its_upload_is_carried_by_the_next(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """keep=2, steps 1 and 2 on the store; restore_latest(step=1), then during an outage steps 3, 4 and 6 are staged:
+    retention in the staging dir removes step 3 (the one the rollback was staged with) before any upload. The
+    rollback must not go with it: once the store answers, step 2 is superseded (kept, as a rollback keeps the abandoned
+    branch), not taken for the newest checkpoint's predecessor and deleted by retention."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    app = make_app()
+    with Checkpointer(url, keep=2, storage_options=options, staging_dir=tmp_path / "A", signals=()) as ckpt:
+        for step in (1, 2):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        abandoned = {o.key for o in store.list() if o.key.startswith("step-2/")}
+        assert ckpt.restore_latest(app, step=1).step == 1
+        fault_proxy.down = {f"/{s3_bucket}"}
+        for step in (3, 4, 6):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        fault_proxy.down = set()
+        train_step(app)
+        ckpt.save(7, app, blocking=True)
+        assert ckpt.steps() == [6, 7]
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {2: "superseded", 6: "committed", 7: "committed"}, rows
+    assert {o.key for o in store.list() if o.key.startswith("step-2/")} == (
+        abandoned - {"step-2/fastio-commit.json"} | {"step-2/fastio-superseded.json"})
+
+
+def test_a_rollback_that_cannot_be_recorded_in_the_staging_dir_fails_the_save_before_its_commit(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """The first save after restore_latest(step=1) during an outage cannot write its rollback to the staging dir
+    (.fastio-unsent.json unwritable): the save fails naming that file, before step 3 is committed (committed without
+    its rollback, it would be uploaded beside the abandoned steps 2 and 5, and 5 restored as the newest); the next
+    save once the store answers does the rollback."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    stage = tmp_path / "stage"
+    app = make_app()
+    with Checkpointer(url, keep=0, storage_options=options, staging_dir=stage, signals=()) as ckpt:
+        for step in (1, 2, 5):
+            train_step(app)
+            ckpt.save(step, app, blocking=True)
+        assert ckpt.restore_latest(app, step=1).step == 1
+        (stage / ".fastio-unsent.json").mkdir()
+        fault_proxy.down = {f"/{s3_bucket}"}
+        train_step(app)
+        with pytest.raises(CheckpointError, match=rf"^{url}/step-3: checkpoint write failed: "
+                                                  rf"{stage / '.fastio-unsent.json'}: cannot write: "):
+            ckpt.save(3, app, blocking=True)
+        assert not [p.name for p in stage.iterdir() if p.name.startswith("step-3")]
+        (stage / ".fastio-unsent.json").rmdir()
+        fault_proxy.down = set()
+        ckpt.save(4, app, blocking=True)
+        assert ckpt.steps() == [1, 4]
+    rows = {r["step"]: r["state"] for r in catalog.list_steps(url, options)[1]}
+    assert rows == {1: "committed", 2: "superseded", 4: "committed", 5: "superseded"}, rows
+
+
+def test_a_save_to_a_bucket_deleted_under_the_run_fails_naming_it_and_stages_nothing(
+        moto_server, s3_bucket, tmp_path):
+    """The bucket is deleted while the Checkpointer holds the prefix: the save fails with one line naming the prefix
+    and 'no such bucket' (before: 'cannot supersede the steps above 2', as if there were steps to supersede: every
+    commit checks for them, and the store's steps could not be listed), nothing of step 2 is left in the staging
+    dir, and close() does not raise."""
+    url = f"s3://{s3_bucket}/ckpt"
+    stage = tmp_path / "stage"
+    app = make_app()
+    ckpt = Checkpointer(url, storage_options=moto_server.options(deadline_s=1, backoff_s=0.05), staging_dir=stage,
+                        signals=())
+    ckpt.save(1, app, blocking=True)
+    bucket = open_storage(f"s3://{s3_bucket}", moto_server.options())
+    for o in bucket.list():
+        bucket.delete(o.key)
+    conn = http.client.HTTPConnection("127.0.0.1", moto_server.port, timeout=10)
+    conn.request("DELETE", f"/{s3_bucket}")
+    assert conn.getresponse().status == 204
+    conn.close()
+    train_step(app)
+    with pytest.raises(CheckpointError, match=rf"^{url}/step-2: checkpoint write failed: {url}: cannot check or "
+                                              rf"supersede the committed steps above step 2: {url}: LIST failed: no such "
+                                              r"bucket [^\n]*$"):
+        ckpt.save(2, app, blocking=True)
+    assert not [p.name for p in stage.iterdir() if p.name.startswith("step-2")]
+    ckpt.close()
+
+
+def test_credentials_that_expire_before_a_staged_rollback_is_applied_leave_it_staged_and_named(
+        moto_server, s3_bucket, fault_proxy, tmp_path):
+    """Step 3 staged with its rollback during an outage; the store answers, but refuses the rollback record
+    (credentials expired: 403). The next save fails naming the URL, before its commit; nothing is superseded or
+    uploaded; close() names staged step 3 and the rollback still waiting; with credentials renewed, the next
+    Checkpointer of that staging dir restores step 3 and applies the rollback at its first save."""
+    url = f"s3://{s3_bucket}/ckpt"
+    options = moto_server.options(fault_proxy.endpoint, deadline_s=1, backoff_s=0.05)
+    store = open_storage(url, moto_server.options())
+    stage = tmp_path / "stage"
+    ckpt, app, abandoned = _rolled_back_during_an_outage(url, options, stage, fault_proxy, s3_bucket, store)
+    fault_proxy.down, fault_proxy.forbidden = set(), {"/ckpt/fastio-rollback.json"}
+    train_step(app)
+    with pytest.raises(CheckpointError, match=rf"^{url}/step-4: checkpoint write failed: {url}: cannot check or "
+                                              r"supersede the committed steps above step 4: .*access denied"):
+        ckpt.save(4, app, blocking=True)
+    assert not [p.name for p in stage.iterdir() if p.name.startswith("step-4")]
+    with pytest.raises(CheckpointError, match=rf"access denied.*; step 3 is committed only in {stage / 'step-3'} "
+                                              r"\(not uploaded\), after a rollback to step 1 that supersedes steps 2, 5 "
+                                              r"on the store$"):
+        ckpt.close()
+    assert {r["step"]: r["state"] for r in catalog.list_steps(url, moto_server.options())[1]} == {
+        1: "committed", 2: "committed", 5: "committed"}
+    fault_proxy.forbidden = set()
+    restored = make_app(seed=4)
+    with Checkpointer(url, storage_options=options, staging_dir=stage, signals=()) as again:
+        assert again.restore_latest(restored).step == 3
+        again.save(6, restored, blocking=True)
+        assert again.steps() == [1, 3, 6]
+    _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 6))

@@ -350,14 +350,15 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the last write and for retention's deletions (for an ``s3://`` dir, rank 0: the upload of steps a
-        store outage left only in the staging dir, each request within ``deadline_s``, else a CheckpointError naming
-        them), remove the signal handlers, free staging memory and release DIR's lock. Closing again does nothing; a
-        save or restore after it is a CheckpointError (``steps()`` still lists the committed steps)."""
+        store outage or a refused upload left only in the staging dir, each request within ``deadline_s``, else a
+        CheckpointError naming them), remove the signal handlers, free staging memory and release DIR's lock. Closing
+        again does nothing; a save or restore after it is a CheckpointError (``steps()`` still lists the committed
+        steps)."""
         try:
             self._raise_if_failed(wait=True)
             self._finish_pruning()
             if self._remote is not None and self.rank == 0 and not self.read_only:
-                self._remote.upload_unsent(self.config.keep)  # steps a store outage left only in the staging dir
+                self._remote.upload_unsent(self.config.keep)  # steps an outage (or refusal) left only in staging
         finally:
             self._closed = True
             self._ranks.close()
@@ -376,7 +377,8 @@ class Checkpointer:
         self.close()
 
     def steps(self) -> list[int]:
-        """Committed steps in DIR (for an ``s3://`` dir: on the store), oldest first."""
+        """Committed steps in DIR (for an ``s3://`` dir: on the store, less the steps a rollback staged in the staging
+        dir during an outage supersedes at its upload), oldest first."""
         return self._commit.steps()
 
     def restore_latest(self, app: dict[str, Any], step: int | None = None, *, strict: bool = True,

@@ -232,12 +232,13 @@ class LocalCommit(_Steps):
                 _warn_superseded(self.root, step, self.restored, rollback.finish_rollback(self.root))
                 if remote is not None:
                     _warn_superseded(remote.url, step, self.restored, remote.finish_rollback())
+                if remote is not None:  # what the store held, and a rollback an outage held up: before the commit
+                    remote.record_staged(step)
                 publish.commit(self.tmp_dir(step), self.step_dir(step), step=step, info=info, known=written)
                 self.restored = None  # the rollback is done, whatever fails after it (the upload of this step)
                 self._expired += retention.expire(self.root, keep)  # the files go in prune()
-                if self.remote is not None:
-                    self.remote.record_staged(step)  # what the store held: an outage may keep it staged only
-                    self.remote.after_commit(keep)
+                if remote is not None:
+                    remote.after_commit(keep)
 
         ranks.run("commit", commit)
         self.restored = None

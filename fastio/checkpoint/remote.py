@@ -30,10 +30,12 @@ before retention; a lost lease fails that save
 never touched.
 
 A store outage at a shared staging dir's commit: holding the lease, rank 0 knows the store's committed steps
-(listed when it took the lease, at restores and uploads); when none is above the new step's floor, the step is
-committed in the staging dir without the store (:meth:`RemoteCheckpoints.start_rollback`), its upload left to the
+(listed when it took the lease, at restores and uploads), so the step is committed in the staging dir without
+the store (:meth:`RemoteCheckpoints.start_rollback`), its upload left to the
 next commit or ``close()`` (:meth:`RemoteCheckpoints.upload_unsent`, which names the steps only staged when the
-store still does not answer). A rollback that must supersede steps on the store fails the save instead. A staged
+store still does not answer). A rollback that must supersede steps on the store is staged with the step
+(:data:`UNSENT_RECORD`) and done on the store just before that step's upload; until then the steps it supersedes
+count as no checkpoints for this staging dir (:meth:`RemoteCheckpoints.committed_steps`). A staged
 step the store lacks is an upload pending unless the store superseded it (its own marker kept as superseded) or gained
 committed steps its writer did not know when it staged it (:data:`UNSENT_RECORD`: another writer continued without
 it): those are neither restored nor uploaded.
@@ -48,6 +50,7 @@ import socket
 import tempfile
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +74,9 @@ STAGING_RECORD = ".fastio-staging.json"
 UNSENT_RECORD = ".fastio-unsent.json"
 """In a staging dir: ``{"N": [steps...]}``: for each step committed there and not uploaded yet, the store's committed
 steps its writer knew when it committed it. A step the store has since gained others than those is of a branch
-another writer continued (the newest save is the run's state): neither restored nor uploaded."""
+another writer continued (the newest save is the run's state): neither restored nor uploaded. A step committed after
+a rollback whose superseding the store's outage held up is ``{"N": {"known": [...], "rollback_to": S, "supersedes":
+[...]}}``: the store's steps above S, superseded on the store just before ``step-N`` is uploaded (:class:`Unsent`)."""
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +147,27 @@ def _outage_of(err: Exception) -> StorageError | None:
     return cause if isinstance(cause, StorageError) and cause.transient else None
 
 
+@dataclass
+class Unsent:
+    """One step of :data:`UNSENT_RECORD`: the store's committed steps its writer knew when it committed it, and (a
+    rollback staged with it) the floor and the store's steps to supersede before it is uploaded."""
+
+    known: set[int]
+    rollback_to: int | None = None
+    supersedes: set[int] = field(default_factory=set)
+
+    @classmethod
+    def parse(cls, value: Any) -> Unsent:
+        if isinstance(value, list):  # the form of a step staged without a rollback (and of every older fastio's)
+            return cls(set(map(int, value)))
+        return cls(set(map(int, value["known"])), int(value["rollback_to"]), set(map(int, value["supersedes"])))
+
+    def encode(self) -> Any:
+        if not self.supersedes:
+            return sorted(self.known)
+        return {"known": sorted(self.known), "rollback_to": self.rollback_to, "supersedes": sorted(self.supersedes)}
+
+
 class RemoteCheckpoints:
     """The object-store side of a Checkpointer whose local ``root`` stages what is written to ``url``."""
 
@@ -154,6 +180,8 @@ class RemoteCheckpoints:
         """The store's committed steps as this process last listed them (None: not listed yet); holding the lease,
         no other writer changes them, so a commit during an outage knows whether it must supersede any."""
         self._outage: StorageError | None = None  # the store's, met by this commit's rollback: nothing superseded
+        self._deferred: tuple[int, set[int]] | None = None
+        """This commit's rollback the outage held up: its floor and the store's steps it supersedes at the upload."""
         self._unsent = False  # a commit met an outage: steps committed in the staging dir may be missing on the store
 
     def bind_staging(self, *, write: bool) -> None:
@@ -266,21 +294,35 @@ class RemoteCheckpoints:
         above it (and those of a rollback a kill cut short) in ``ROLLBACK_FILE``; from then on none of them is
         a checkpoint. Only while the lease (if held) is confirmed. When the store cannot be reached (an outage past
         ``deadline_s``) and the steps this writer knows on it (:meth:`_may_defer`) leave nothing above ``floor`` to
-        supersede, returns [] instead of raising: the commit goes on in the staging dir, its upload later."""
-        self._outage = None
+        supersede, returns [] instead of raising: the commit goes on in the staging dir, its upload later. When the
+        steps it knows on the store (:meth:`_may_defer`) hold some above ``floor``, the rollback is staged with the
+        step (:meth:`record_staged`) and done on the store just before the step's upload (:meth:`_push_staged`)."""
+        self._outage, self._deferred = None, None
         try:
             doomed = rollback.start_remote_rollback(self.mirror.storage, floor, self.committed_steps, self._confirm)
         except LeaseLostError as err:
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except (StorageError, CheckpointError) as err:
             self._outage = _outage_of(err)
-            if self._outage is None or not self._may_defer(floor):
+            if self._outage is None or not self._may_defer():
                 self._outage = None
                 raise self._cannot_supersede(err, floor) from None
+            self._stage_rollback(floor, {s for s in self._known or () if s > floor})
             return []
         if self._known is not None:
             self._known -= set(doomed)
+        self._stage_rollback(floor, set())
         return doomed
+
+    def _stage_rollback(self, floor: int, above: set[int]) -> None:
+        """The rollback this commit's step is staged with (:meth:`record_staged`): the store's steps ``above`` this
+        commit's floor that an outage kept it from superseding, and those of the rollbacks staged with steps not
+        uploaded yet, which this commit's rollback or retention in the staging dir may remove before their upload
+        (their abandoned steps would then stay checkpoints on the store, for its retention to delete)."""
+        earlier = list(self._staged_rollbacks(self._known or set()).values())
+        supersedes = above.union(*(r.supersedes for r in earlier))
+        floors = [floor] if above else []
+        self._deferred = (min(floors + [r.rollback_to for r in earlier]), supersedes) if supersedes else None
 
     def finish_rollback(self) -> list[int]:
         """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
@@ -299,23 +341,21 @@ class RemoteCheckpoints:
                 raise self._cannot_supersede(err, None) from None
             return []
 
-    def _may_defer(self, floor: int) -> bool:
-        """A commit above ``floor`` may go on in the staging dir while the store is out: this writer listed the
-        store's committed steps, none is above ``floor``, and its lease (if any) is not known lost. A lease not
+    def _may_defer(self) -> bool:
+        """A commit may go on in the staging dir while the store is out: this writer listed the store's committed
+        steps (so it knows those a rollback must supersede there) and its lease (if any) is not known lost. A lease not
         renewed during a long outage may be taken over meanwhile; the staging dir is this writer's still (its
         DirLock), and the upload confirms the lease before anything is written to the store."""
-        if self._known is None or any(s > floor for s in self._known):
+        if self._known is None:
             return False
         return self.lease is None or (self.lease.held and self.lease.lost is None)
 
     def _cannot_supersede(self, err: Exception, floor: int | None) -> CheckpointError:
-        """The CheckpointError of a rollback that failed on the store; naming the steps it must supersede first
-        when they are why the commit cannot wait for the store."""
-        above = f" above {floor}" if floor is not None else " of a rollback"
-        doomed = sorted(s for s in self._known or () if floor is not None and s > floor)
-        why = (f" ({agree(len(doomed), 'step')} {', '.join(map(str, doomed))} on the store must be superseded before "
-               "this step is committed: a rollback waits for the store)" if doomed and _outage_of(err) else "")
-        return CheckpointError(f"{self.url}: cannot supersede the steps{above}: {err}{why}")
+        """The CheckpointError of a rollback that failed on the store: before a commit, every commit checks for committed
+        steps above its floor (most often there are none), so that step names both."""
+        what = f"check or supersede the committed steps above step {floor}" if floor is not None else \
+            "supersede the steps of a rollback"
+        return CheckpointError(f"{self.url}: cannot {what}: {err}")
 
     def make_room(self, step: int) -> str | None:
         """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
@@ -389,39 +429,60 @@ class RemoteCheckpoints:
         return rollback.SUPERSEDED_FILE if rollback.SUPERSEDED_FILE in keys else None
 
     def record_staged(self, step: int) -> None:
-        """Rank 0, once ``step`` is committed in the staging dir, before its upload: note in :data:`UNSENT_RECORD`
-        the store's committed steps this writer knows now and the steps staged before it, not uploaded yet, which
-        this writer uploads first (nothing when it has not listed the store)."""
+        """Rank 0, before ``step`` is committed in the staging dir (a step committed without the rollback staged with
+        it would be uploaded beside the abandoned steps; an entry of a step whose commit fails is dropped by the next
+        upload, or replaced by its next commit): note in :data:`UNSENT_RECORD` the store's committed steps this
+        writer knows now and the steps staged before it, not uploaded yet, which this writer uploads first (nothing
+        when it has not listed the store), and the rollback an outage held up (:meth:`start_rollback`), done on the
+        store before this step is uploaded. CheckpointError naming the record when it cannot be written."""
+        deferred, self._deferred = self._deferred, None
         if self._known is None:
             return
         records = self._unsent_records()
-        records[step] = set(self._known) | (set(records) - {step})  # the steps staged before it: uploaded first
+        known = set(self._known) | (set(records) - {step})  # the steps staged before it: uploaded first
+        records[step] = Unsent(known, *deferred) if deferred else Unsent(known)
         self._write_unsent(records)
 
-    def _unsent_records(self) -> dict[int, set[int]]:
+    def _unsent_records(self) -> dict[int, Unsent]:
         """:data:`UNSENT_RECORD` (empty when there is none, or it cannot be read: its steps then count as pending)."""
         try:
-            return {int(k): set(map(int, v)) for k, v in json.loads((self.root / UNSENT_RECORD).read_text()).items()}
+            return {int(k): Unsent.parse(v) for k, v in json.loads((self.root / UNSENT_RECORD).read_text()).items()}
         except FileNotFoundError:
             return {}
-        except (OSError, ValueError, TypeError, AttributeError) as err:
+        except (OSError, ValueError, TypeError, AttributeError, KeyError) as err:
             log.warning("fastio: %s: unreadable (%s); its steps count as uploads pending", self.root / UNSENT_RECORD,
                         err)
             return {}
 
-    def _write_unsent(self, records: dict[int, set[int]]) -> None:
+    def _write_unsent(self, records: dict[int, Unsent]) -> None:
         path = self.root / UNSENT_RECORD
-        if records:
-            atomic_write_bytes(path, json.dumps({str(k): sorted(v) for k, v in sorted(records.items())}).encode())
-        else:
-            path.unlink(missing_ok=True)
+        try:
+            if records:
+                atomic_write_bytes(path, json.dumps({str(k): v.encode() for k, v in sorted(records.items())}).encode())
+            else:
+                path.unlink(missing_ok=True)
+        except OSError as err:
+            raise CheckpointError(f"{path}: cannot write: {err.strerror or err}") from None
+
+    def _staged_rollbacks(self, store: set[int]) -> dict[int, Unsent]:
+        """The steps committed in the staging dir with a rollback staged with them that is still to do: the store
+        (``store``: its committed steps now) has gained no steps their writer did not know (else another writer
+        continued the run without them, and the store is not rolled back)."""
+        staged = {e.step for e in scan.committed(self.root)}
+        return {s: r for s, r in self._unsent_records().items() if r.supersedes and s in staged and not store - r.known}
+
+    def _live(self, store: set[int]) -> set[int]:
+        """The store's committed steps (``store``) less those a rollback staged in the staging dir supersedes: none
+        of them is a checkpoint any more for this staging dir's writer."""
+        doomed = set().union(*(r.supersedes for r in self._staged_rollbacks(store).values()))
+        return store - doomed
 
     def _continued_past(self, step: int) -> list[str]:
         """Why staged ``step``, which the store has no commit of, is no upload pending (one problem; none when it
         is): the store has committed steps its writer did not know when it committed it (:data:`UNSENT_RECORD`),
         another writer's, who continued the run from the store without it."""
-        known = self._unsent_records().get(step)
-        since = sorted(set(self._known or ()) - known) if known is not None else []
+        record = self._unsent_records().get(step)
+        since = sorted(set(self._known or ()) - record.known) if record is not None else []
         if not since:
             return []
         return [f"{naming.step_dir(self.root, step)}: committed only in this staging dir, and {agree(len(since), 'step')} "
@@ -439,11 +500,13 @@ class RemoteCheckpoints:
             return None
 
     def committed_steps(self) -> list[int]:
-        """The store's committed steps, oldest first (less those of a rollback in progress)."""
+        """The store's committed steps, oldest first, less those of a rollback in progress on the store and those a
+        rollback staged in the staging dir supersedes (:meth:`_live`); all it lists is remembered as what the store
+        holds."""
         doomed = self.pending_rollback()
-        steps = sorted(s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed)
+        steps = {s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed}
         self._known = set(steps)
-        return steps
+        return sorted(self._live(steps))
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
@@ -489,9 +552,10 @@ class RemoteCheckpoints:
                             outage)
 
     def upload_unsent(self, keep: int) -> None:
-        """``close()``: when a commit met an outage, upload what the store still lacks (:meth:`after_commit`, each
-        request within ``deadline_s``); a CheckpointError naming the steps still committed only in the staging dir,
-        where they are and what uploads them (or, when the upload was refused, a lost lease, that it did not)."""
+        """``close()``: when a commit's upload met an outage or a refusal, upload what the store still lacks
+        (:meth:`after_commit`, each request within ``deadline_s``); a CheckpointError naming the steps still committed
+        only in the staging dir, where they are and what uploads them (or, when the upload was refused, a lost lease,
+        that it did not)."""
         if not self._unsent:
             return
         try:
@@ -499,15 +563,34 @@ class RemoteCheckpoints:
         except CheckpointError as err:
             unsent = self.unsent()
             if unsent:
-                raise CheckpointError(f"{err}; {self._only_staged(unsent)} (not uploaded)") from None
+                raise CheckpointError(f"{err}; {self._only_staged(unsent)} (not uploaded){self._rollbacks_staged()}"
+                                      ) from None
             raise
         unsent = self.unsent() if outage is not None else []
         if unsent:
             them = "it" if len(unsent) == 1 else "them"
+            rolled = self._rollbacks_staged()
+            elsewhere = (f"; a job resumed with another staging dir restores from the store, which does not know of the "
+                         f"rollback: restore_latest(..., step={self._rollback_floor()}) there repeats it") if rolled else ""
             raise CheckpointError(
-                f"{self.url}: {self._only_staged(unsent)} (not on the store: {outage}): the next Checkpointer("
+                f"{self.url}: {self._only_staged(unsent)} (not on the store: {outage}){rolled}: the next Checkpointer("
                 f"{self.url!r}, staging_dir={str(self.root)!r}) uploads {them} at its first save (its restore_latest "
-                "restores the newest first); keep the staging dir until then")
+                f"restores the newest first); keep the staging dir until then{elsewhere}")
+
+    def _rollback_floor(self) -> int | None:
+        """The lowest floor of the rollbacks staged in the staging dir and not done on the store yet (None: none)."""
+        floors = [r.rollback_to for r in self._staged_rollbacks(self._known or set()).values()]
+        return min(floors) if floors else None  # type: ignore[type-var]
+
+    def _rollbacks_staged(self) -> str:
+        """``, after a rollback to step 1 that supersedes steps 2, 5 on the store`` when rollbacks staged in the
+        staging dir are not done on the store yet (one clause: the steps staged after one carry it too), else ``""``."""
+        rollbacks = self._staged_rollbacks(self._known or set()).values()
+        doomed = sorted(set().union(*(r.supersedes for r in rollbacks)))
+        if not doomed:
+            return ""
+        return (f", after a rollback to step {self._rollback_floor()} that supersedes {agree(len(doomed), 'step')} "
+                f"{', '.join(map(str, doomed))} on the store")
 
     def _only_staged(self, unsent: list[Path]) -> str:
         """``step 4 is committed only in /stage/step-4`` (``steps 2, 4 are ... in /stage (step-2, step-4)``)."""
@@ -538,15 +621,23 @@ class RemoteCheckpoints:
 
     def unsent(self) -> list[Path]:
         """The steps committed in the staging dir that the store lacked when this writer last listed it."""
-        return [e.path for e in scan.committed(self.root) if self._known is None or e.step not in self._known]
+        live = None if self._known is None else self._live(self._known)
+        return [e.path for e in scan.committed(self.root) if live is None or e.step not in live]
 
     def _push_staged(self, remote: set[int]) -> None:
         """Upload every step committed in the staging dir that the store (``remote``: its committed steps) lacks,
-        oldest first, but for those of a branch the run gave up (:meth:`_set_aside_if_abandoned`); then drop the
-        :data:`UNSENT_RECORD` entries of the steps the store has or the staging dir no longer commits."""
+        oldest first, but for those of a branch the run gave up (:meth:`_set_aside_if_abandoned`), each after the
+        rollback staged with it (:meth:`_supersede_staged`); then drop the :data:`UNSENT_RECORD` entries of the steps
+        the store has or the staging dir no longer commits."""
+        rollbacks = self._staged_rollbacks(remote)
         for entry in scan.committed(self.root):
-            if entry.step in remote or self._set_aside_if_abandoned(entry.path, entry.step):
+            rolled = rollbacks.get(entry.step)
+            if entry.step in remote and not (rolled and entry.step in rolled.supersedes) \
+                    or self._set_aside_if_abandoned(entry.path, entry.step):
                 continue
+            if rolled:
+                self._supersede_staged(entry.step, rolled, remote)
+                rollbacks = self._staged_rollbacks(remote)
             self.make_room(entry.step)
             self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
             remote.add(entry.step)
@@ -555,21 +646,45 @@ class RemoteCheckpoints:
         if any(s in remote or s not in staged for s in records):
             self._write_unsent({s: k for s, k in records.items() if s not in remote and s in staged})
 
+    def _supersede_staged(self, step: int, staged: Unsent, remote: set[int]) -> None:
+        """Before staged ``step`` is uploaded: the rollback staged with it done on the store (as
+        :meth:`start_rollback` and :meth:`finish_rollback` do: the record, then each marker renamed, every object
+        kept) for its steps the store (``remote``) still commits, then dropped from :data:`UNSENT_RECORD`, from every
+        step's entry (the steps staged after it carry it too), so that a step uploaded since with the number of an
+        abandoned one is never superseded by them."""
+        doomed = staged.supersedes & remote
+        if doomed:
+            rollback.start_remote_rollback(self.mirror.storage, staged.rollback_to, lambda: doomed, self._confirm)
+        rollback.finish_remote_rollback(self.mirror.storage, self._confirm)  # also one an outage cut short
+        if doomed:
+            log.warning("fastio: %s: uploading step %d, staged after a rollback to step %d during an outage: %s %s "
+                        "superseded (files kept, no longer checkpoints)", self.url, step, staged.rollback_to,
+                        agree(len(doomed), "step"), ", ".join(map(str, sorted(doomed))))
+            remote -= doomed
+            self._known = set(remote)
+        records = self._unsent_records()
+        for s, record in records.items():
+            left = record.supersedes - staged.supersedes
+            records[s] = replace(record, rollback_to=record.rollback_to if left else None, supersedes=left)
+        self._write_unsent(records)
+
     def _upload(self, keep: int) -> StorageError | None:
         """:meth:`after_commit`'s work; the store's error when it was an outage (retried later), a CheckpointError
         for any other failure (a refusal, a lost lease)."""
         try:
             self._confirm()
-            self._push_staged(set(self.committed_steps()))
+            self.committed_steps()
+            self._push_staged(set(self._known))
             self._retain(keep)
         except LeaseLostError as err:
+            self._unsent = True  # close() names the steps left in the staging dir
             raise CheckpointError(f"{err}; nothing more uploaded or deleted") from None
         except (StorageError, CheckpointError) as err:
+            self._unsent = True  # a refusal too (credentials expired): close() tries again, else names the steps
             outage = _outage_of(err)
             if outage is None:
                 raise (err if isinstance(err, CheckpointError) else
                        CheckpointError(f"{self.url}: upload failed: {err}")) from None
-            self._unsent = True
             return outage
         self._unsent = False
         return None
