@@ -509,10 +509,10 @@ class Loader:
         Nothing of that epoch has been delivered, so its order is drawn from the data as it is now: a dataset (or a
         mixture's source) converted again since the save, with more or other samples, is taken, and so is a mixture
         whose sources changed (one added, removed, renamed or moved; one dataset's state in a mixture's Loader, or
-        the reverse): the epoch is then the new data's, as ``set_epoch`` draws it. The rest is checked as
-        :meth:`check_state_dict` checks it (version, seed, shuffle, the pipeline's entry, and with the same sources
-        a mixture's schedule); changes nothing. Refused with ``replicas=`` (the position is the torchft Manager's
-        step)."""
+        the reverse) or whose weights or schedule changed, its past too: the epoch is then the new data's and
+        schedule's, as ``set_epoch`` draws it. The rest is checked as :meth:`check_state_dict` checks it (version,
+        seed, shuffle, the pipeline's entry); changes nothing. Refused with ``replicas=`` (the position is the
+        torchft Manager's step)."""
         state = _checked_state(state, next_epoch=True)
         if self._replicas is not None:  # the position is the Manager's step
             self._replicas.refuse_next_epoch(state[K_EPOCH], len(self._sampler))
