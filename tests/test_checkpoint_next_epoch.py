@@ -295,3 +295,33 @@ def test_a_mixture_whose_schedule_past_changed_restores_at_its_next_epoch(tmp_pa
         alone.next_epoch_state(damaged)
     for ld in (fresh, new, alone):
         ld.close()
+
+
+def test_a_mixture_saved_at_an_epoch_boundary_restores_exactly_with_a_schedule_whose_past_changed(tmp_path):
+    """Found by the resume review, with the fix above: a loop that ran a whole epoch saves (1, 0), nothing of epoch 1
+    delivered. The exact restore into a schedule whose past changed refused it, and its message pointed to the
+    next-epoch restore, which starts epoch 2: a whole epoch never trained. Plain weights took such a state directly;
+    now a schedule does too (epoch 1 as set_epoch(1) draws it under the new schedule)."""
+    paths = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1)}
+
+    def loader(weights):
+        return Loader(Mixture(paths, weights=weights), batch_size=6, pipeline=Raw(), device="cpu", seed=5,
+                      world_size=1, rank=0, num_threads=1, prefetch=2)
+
+    old = loader([(0, {"a": 1, "b": 1}), (20, {"a": 3, "b": 1})])
+    for _ in old:
+        pass
+    saved = old.state_dict()
+    old.close()
+    assert (saved["epoch"], saved["consumed"]) == (1, 0)
+    now = [(0, {"a": 2, "b": 1}), (50, {"a": 1, "b": 3})]
+    new, fresh = loader(now), loader(now)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(3, {"loader": StateHolder(saved)}, blocking=True)
+        ckpt.restore_latest({"loader": new})  # exact
+    fresh.set_epoch(1)
+    want, got = list(islice(iter(fresh), 7)), list(islice(iter(new), 7))
+    assert [(b["source"].tolist(), b["index"].tolist()) for b in got] == \
+        [(b["source"].tolist(), b["index"].tolist()) for b in want]
+    for ld in (new, fresh):
+        ld.close()

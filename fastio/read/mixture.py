@@ -257,7 +257,8 @@ def mixture_state(mixture: Mixture) -> dict[str, Any]:
 def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int) -> None:
     """LoaderStateError unless a state saved at ``(epoch, consumed)`` can continue with ``mixture``: the same
     sources (names and datasets), and a schedule that keeps the past: the entries before the saved stream
-    position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length.
+    position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length; at an
+    epoch boundary (nothing of the epoch delivered) any schedule, as ``set_epoch`` would draw that epoch.
     Plain weights on both sides (states from before schedules): as before, they may change at an epoch
     boundary (the new weights then order the stream as if they had always applied)."""
     if saved is None:
@@ -274,6 +275,8 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     if len(old) == 1 and len(mixture.phases) == 1:
         _check_weight_change(mixture, old[0][1], samples, epoch, consumed)
         return
+    if consumed == 0 or consumed == samples == mixture.samples_per_epoch:  # at an epoch boundary: nothing of the
+        return  # epoch it starts came, which the new schedule draws (a pure function of seed, epoch and schedule)
     if samples != mixture.samples_per_epoch:
         raise LoaderStateError(
             f"{mixture.root}: loader state has samples_per_epoch {samples}, this mixture "
