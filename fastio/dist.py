@@ -11,6 +11,7 @@ whether a process of this host has ended (:func:`process_gone`; :func:`process_s
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import pickle
@@ -105,7 +106,12 @@ def agree_with_rank_zero(terms: Any, differ: Callable[[Any, Any], str | None], r
             came = "not all ranks"
         said = (str(err).strip() or type(err).__name__).splitlines()[0]
         raise TimeoutError(f"{came} came within the store's timeout ({said})") from None
-    return store.get(f"{key}/problem").decode() if store.check([f"{key}/problem"]) else None
+    problem = store.get(f"{key}/problem").decode() if store.check([f"{key}/problem"]) else None
+    if store.add(f"{key}/left", 1) == world:  # every rank has its answer: the keys go, so a group made again on the
+        for part in ("terms", "problem", "came", "done", "left"):  # same store (torchrun's agent store) starts clean
+            with contextlib.suppress(RuntimeError, NotImplementedError):  # a store that cannot delete keeps them
+                store.delete_key(f"{key}/{part}")
+    return problem
 
 
 def usable_cpus() -> list[int]:

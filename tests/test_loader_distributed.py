@@ -117,6 +117,7 @@ def _agree_worker(rank: int, dest: str, other: str, base: str) -> None:
     import torch.distributed as dist
 
     from fastio import FastioError
+    from fastio.dist import default_store
     from fastio.loader import Loader
 
     for name, (options, _) in AGREE.items():
@@ -142,7 +143,10 @@ def _agree_worker(rank: int, dest: str, other: str, base: str) -> None:
             if rank == 0 and said is None:  # later iter() calls exchange nothing: rank 1 does not join this one
                 next(iter(loader))
             loader.close()
-            Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said, "again": again, "indices": indices}))
+            dist.barrier()  # both ranks' exchanges are over: the last rank out removed its keys from the store
+            left = [k for k in default_store().list_keys() if k.startswith("fastio/")]
+            Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said, "again": again, "indices": indices,
+                                                                 "left": left}))
         finally:
             dist.destroy_process_group()
 
@@ -166,6 +170,7 @@ def test_ranks_whose_loaders_differ_refuse_at_the_first_iter(agree_runs, _image_
     values; a Loader of one rank's own (world_size=1) exchanges nothing."""
     r = [json.loads((agree_runs / name / f"rank{k}.json").read_text()) for k in range(2)]
     field = AGREE[name][1]
+    assert [x["left"] for x in r] == [[], []], r  # a group made again on the same store starts clean
     if field is None:
         assert [x["said"] for x in r] == [None, None], r
         if name == "same":
