@@ -3,17 +3,24 @@
 ``torch.distributed`` when a process group is initialised; otherwise the launcher's ``RANK`` and
 ``WORLD_SIZE`` (torchrun, or ``srun`` with them exported); otherwise a single process (0, 1).
 
-Also the one place that reaches into ``torch.distributed``'s internals (:func:`default_store`), and the rule for
+Also the one place that reaches into ``torch.distributed``'s internals (:func:`default_store`), the exchange through
+its store by which ranks check that they hold something alike (:func:`agree_with_rank_zero`), and the rule for
 the CPUs a process may use (:func:`usable_cpus`), when it has its node to itself (:func:`alone_on_node`) and
 whether a process of this host has ended (:func:`process_gone`; :func:`process_start` tells a reused pid apart).
 """
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import os
+import pickle
+import weakref
+from collections.abc import Callable
+from typing import Any
 
-__all__ = ["alone_on_node", "default_store", "initialized_rank_and_world", "process_gone", "process_start",
-           "rank_and_world", "usable_cpus"]
+__all__ = ["agree_with_rank_zero", "alone_on_node", "default_store", "initialized_rank_and_world", "process_gone",
+           "process_start", "rank_and_world", "usable_cpus"]
 
 
 def initialized_rank_and_world() -> tuple[int, int] | None:
@@ -50,6 +57,61 @@ def default_store():
         return distributed_c10d._get_default_store()
     except Exception:  # noqa: BLE001 - no group, or a torch without it: callers do without a store
         return None
+
+
+_agreements: tuple[weakref.ref, itertools.count] | None = None
+"""The default group's exchanges of :func:`agree_with_rank_zero` so far, on this rank (the n-th of every rank meets
+the others' n-th): counted anew for each group (a rank that was not in an earlier group counted none of its)."""
+
+
+def _next_agreement() -> int:
+    global _agreements
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    if _agreements is None or _agreements[0]() is not group:
+        _agreements = (weakref.ref(group), itertools.count())
+    return next(_agreements[1])
+
+
+def agree_with_rank_zero(terms: Any, differ: Callable[[Any, Any], str | None], rank: int, world: int) -> str | None:
+    """Whether the ``world`` ranks of the default group hold ``terms`` alike: rank 0 posts its ``terms`` (small,
+    picklable) in the group's store, every other rank compares its own with them (``differ(rank0_terms, mine)``:
+    None, or one line naming what differs) and the first line posted is every rank's answer (None: all alike).
+
+    One exchange: a rank sets or gets the terms, counts itself in, and waits for the last rank's word, a few
+    requests whatever the world size. A collective: every rank of the group makes the same calls in the same order
+    (the n-th call of each rank in this group meets the others' n-th). None where there is no store (no group).
+    TimeoutError saying how many ranks came where the others did not within the store's timeout."""
+    store = default_store()
+    if store is None:
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")  # an agent's store outlives a restarted worker
+    key = f"fastio/agree/{attempt}/{_next_agreement()}"
+    try:
+        if rank == 0:
+            problem = None
+            store.set(f"{key}/terms", pickle.dumps(terms))
+        else:
+            problem = differ(pickle.loads(store.get(f"{key}/terms")), terms)
+        if problem is not None:
+            store.compare_set(f"{key}/problem", "", problem)  # the first rank's line stays
+        if store.add(f"{key}/came", 1) == world:
+            store.set(f"{key}/done", b"1")
+        store.wait([f"{key}/done"])
+    except RuntimeError as err:  # torch's DistStoreError: the store's timeout passed (or the store went)
+        try:
+            came = f"{store.add(f'{key}/came', 0)} of {world} ranks"
+        except RuntimeError:
+            came = "not all ranks"
+        said = (str(err).strip() or type(err).__name__).splitlines()[0]
+        raise TimeoutError(f"{came} came within the store's timeout ({said})") from None
+    problem = store.get(f"{key}/problem").decode() if store.check([f"{key}/problem"]) else None
+    if store.add(f"{key}/left", 1) == world:  # every rank has its answer: the keys go, so a group made again on the
+        for part in ("terms", "problem", "came", "done", "left"):  # same store (torchrun's agent store) starts clean
+            with contextlib.suppress(RuntimeError, NotImplementedError):  # a store that cannot delete keeps them
+                store.delete_key(f"{key}/{part}")
+    return problem
 
 
 def usable_cpus() -> list[int]:

@@ -27,7 +27,7 @@ import torch
 
 from fastio.checks import integer
 from fastio.dataset.dataset import Dataset
-from fastio.dist import alone_on_node, initialized_rank_and_world, rank_and_world, usable_cpus
+from fastio.dist import agree_with_rank_zero, alone_on_node, initialized_rank_and_world, rank_and_world, usable_cpus
 from fastio.errors import (
     DatasetError,
     FastioError,
@@ -67,6 +67,9 @@ K_WORLD_SIZE, K_BATCH_SIZE, K_FINGERPRINT, K_SHUFFLE, K_BLOCK_SHARDS = (
     "world_size", "batch_size", "fingerprint", "shuffle", "block_shards")
 K_STEP = "step"  # with replicas=: the torchft Manager's step the position is
 _ORDER_KEYS = (K_SEED, K_SHUFFLE, K_BLOCK_SHARDS)  # a different value would change the sample order
+_SAME = {K_SEED: "seed (ranks take other samples of one order already: a per-rank seed=base+rank is not needed)",
+         K_FINGERPRINT: "dataset (the same conversion of it)"}
+"""How a refusal of ranks whose Loaders differ names what to give them alike, where the state's key would not say."""
 _INT_KEYS = (K_VERSION, K_SEED, K_EPOCH, K_CONSUMED, K_WORLD_SIZE, K_BATCH_SIZE, K_BLOCK_SHARDS, K_STEP)
 _STR_KEYS = (K_FINGERPRINT, K_SHUFFLE)
 
@@ -359,6 +362,7 @@ class Loader:
         self._graph: GraphDef | None = checked_graph(self.pipeline.graph(), self.pipeline)
         self.rank, self.world_size = rank, world
         self._ranks_found = self._replicas is None and cfg.rank is None and cfg.world_size is None
+        self._ranks_differ: str | None = None  # what the first iter() found other ranks' Loaders differ in ("": none)
         pin = cfg.options.performance.pin_threads
         self._pins = alone_on_node(world) if pin is None else pin
         self._pin_to: list[int] | None = None  # the CPUs to pin a new pipeline's workers to (_pin_workers)
@@ -509,10 +513,10 @@ class Loader:
         Nothing of that epoch has been delivered, so its order is drawn from the data as it is now: a dataset (or a
         mixture's source) converted again since the save, with more or other samples, is taken, and so is a mixture
         whose sources changed (one added, removed, renamed or moved; one dataset's state in a mixture's Loader, or
-        the reverse): the epoch is then the new data's, as ``set_epoch`` draws it. The rest is checked as
-        :meth:`check_state_dict` checks it (version, seed, shuffle, the pipeline's entry, and with the same sources
-        a mixture's schedule); changes nothing. Refused with ``replicas=`` (the position is the torchft Manager's
-        step)."""
+        the reverse) or whose weights or schedule changed, its past too: the epoch is then the new data's and
+        schedule's, as ``set_epoch`` draws it. The rest is checked as :meth:`check_state_dict` checks it (version,
+        seed, shuffle, the pipeline's entry); changes nothing. Refused with ``replicas=`` (the position is the
+        torchft Manager's step)."""
         state = _checked_state(state, next_epoch=True)
         if self._replicas is not None:  # the position is the Manager's step
             self._replicas.refuse_next_epoch(state[K_EPOCH], len(self._sampler))
@@ -541,13 +545,54 @@ class Loader:
     def _refuse_other_ranks(self) -> None:
         """FastioError where the rank and world size were found (not given) before torch.distributed was
         initialized, and it now says another: a Loader made at the top of a script that Lightning's DDP runs
-        (each process would read another rank's share, or all of it, in a number of batches of its own)."""
-        now = initialized_rank_and_world() if self._ranks_found else None
-        if now is not None and now != (self.rank, self.world_size):
+        (each process would read another rank's share, or all of it, in a number of batches of its own).
+        Then, at the first iteration of a Loader whose ranks are torch.distributed's (found or given), every rank
+        checks that the others' Loaders order alike (:meth:`_order_terms`; one exchange through the group's store,
+        :func:`fastio.dist.agree_with_rank_zero`, never again in the Loader's life), else refuses naming the
+        field and both values."""
+        now = initialized_rank_and_world()
+        if self._ranks_found and now is not None and now != (self.rank, self.world_size):
             raise FastioError(f"{self.read_set.root}: this Loader was made as rank {self.rank} of {self.world_size}, "
                               f"before torch.distributed was initialized, and this process is rank {now[0]} of "
                               f"{now[1]}: make it after init_process_group (under Lightning: in train_dataloader(), "
                               "as fastio.integrations.lightning.FastioDataModule does), or give rank= and world_size=")
+        if self._ranks_differ is None:
+            self._ranks_differ = ""
+            if now == (self.rank, self.world_size) and self.world_size > 1:
+                try:
+                    self._ranks_differ = agree_with_rank_zero(self._order_terms(), self._first_term_differing,
+                                                              self.rank, self.world_size) or ""
+                except TimeoutError as err:
+                    self._ranks_differ = (f"{self.read_set.root}: this Loader's first iteration waited for the other "
+                                          f"ranks to check that their Loaders are alike, and {err}: every rank makes "
+                                          "its Loaders alike and iterates them in the same order (a Loader one rank "
+                                          "iterates alone: give it rank=0, world_size=1)")
+        if self._ranks_differ:
+            raise LoaderArgumentError(self._ranks_differ)
+
+    def _order_terms(self) -> dict[str, Any]:
+        """What every rank's Loader must hold alike for the ranks' slices to be one global order (the state's
+        entries but the position, and the options that cut the batches), and the dataset's root to name it."""
+        cfg = self.config
+        terms = {K_SEED: cfg.seed, K_SHUFFLE: cfg.shuffle, K_BATCH_SIZE: cfg.batch_size, "drop_last": cfg.drop_last,
+                 "remainder": cfg.remainder, K_WORLD_SIZE: self.world_size, K_FINGERPRINT: self.read_set.fingerprint}
+        if cfg.shuffle == "block":
+            terms[K_BLOCK_SHARDS] = cfg.block_shards
+        terms.update(self.read_set.state())
+        terms.update(self.pipeline.state_dict())
+        return {"root": str(self.read_set.root), "terms": terms}
+
+    def _first_term_differing(self, first: dict[str, Any], mine: dict[str, Any]) -> str | None:
+        """One line naming the first of rank 0's order terms (``first``) that this rank's (``mine``) differ in."""
+        theirs, ours = first["terms"], mine["terms"]
+        for key in [*theirs, *(k for k in ours if k not in theirs)]:
+            a, b = theirs.get(key), ours.get(key)
+            if a != b:
+                return (f"{first['root']}: {key} differs across ranks: rank 0 has {a!r:.120}, rank {self.rank} has "
+                        f"{b!r:.120}; a fastio Loader's order is global (each rank takes its slice of one order, "
+                        "so ranks of other seeds, datasets or batches would repeat samples and lose others): make "
+                        f"every rank's Loader with the same {_SAME.get(key, key)}")
+        return None
 
     def close(self) -> None:
         """Stop the stream and close the reader and read set; with ``replicas=``, first take the Loader's state out

@@ -5,7 +5,8 @@ The Loader's order is global: each rank takes its slice of one permutation of (s
 another seed (``seed=base + rank``, an idiom of per-rank augmentation seeds) or another dataset slices another
 order, and samples came twice while others never came, silently; and the checkpoint of such a run, which an
 elastic restore reads as one global state (rank r takes saved rank r % A's), restored at another world size mixed
-those orders again."""
+those orders again. (The first ``iter()`` of such Loaders refuses too, naming the field: this is the save's own
+check, for Loaders saved before they were iterated.)"""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from helpers import join_group, start_ranks
 
 from fastio import Checkpointer, Loader, Raw
-from fastio.errors import CheckpointError
+from fastio.errors import CheckpointError, LoaderArgumentError
 
 CASES = {  # name: (each rank's Loader options, whether the save is refused)
     "same": (lambda rank: {}, None),
@@ -53,7 +54,10 @@ def _worker(rank: int, data: str, base: str) -> None:
         try:
             loader = Loader(data, **{"batch_size": 4, "pipeline": Raw(), "device": "cpu", "seed": 3,
                                      "num_threads": 1, **options(rank)})
-            next(iter(loader))
+            try:
+                next(iter(loader))
+            except LoaderArgumentError:  # ranks whose Loaders differ: the first iter() refuses (test_loader_distributed)
+                pass  # and a save of such Loaders (not iterated: a checkpoint before training) still refuses
             ckpt = Checkpointer(out / "ck", signals=())
             try:
                 ckpt.save(1, {"loader": _Failing(loader, rank) if name.startswith("state_dict") else loader},

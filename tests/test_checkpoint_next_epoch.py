@@ -246,3 +246,82 @@ def test_a_dataset_that_became_a_mixture_or_back_restores_at_its_next_epoch(tmp_
         alone.load_state_dict(alone.next_epoch_state(saved))
         assert (alone.state_dict()["epoch"], alone.consumed) == (1, 0)
     new.close()
+
+
+@pytest.mark.parametrize("now", [[(0, {"a": 2, "b": 1}), (20, {"a": 3, "b": 1})],  # an entry's weights before Q
+                                 [(0, {"a": 1, "b": 1}), (5, {"a": 1, "b": 3})],   # an entry moved before Q
+                                 {"a": 1, "b": 2}])                                 # plain weights now
+def test_a_mixture_whose_schedule_past_changed_restores_at_its_next_epoch(tmp_path, now):
+    """Found by the resume review: a user edits the schedule between runs (weights of steps already trained) and
+    resumes at the next epoch. set_epoch(1) on a bare Loader took it, but loader_policy='next-epoch' and
+    Loader.next_epoch_state refused it ("this mixture's schedule changes what came before it"), since the moved
+    state kept the saved schedule: the model and optimizer could not be restored alongside. The next epoch is a pure
+    function of (seed, epoch, schedule), as set_epoch draws it: now it is the new schedule's. The exact restore
+    still refuses, and names the way there."""
+    paths = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1)}
+
+    def loader(weights):
+        return Loader(Mixture(paths, weights=weights), batch_size=6, pipeline=Raw(), device="cpu", seed=5,
+                      world_size=1, rank=0, num_threads=1, prefetch=2)
+
+    old = loader([(0, {"a": 1, "b": 1}), (20, {"a": 3, "b": 1})])
+    list(islice(iter(old), 2))
+    saved = old.state_dict()  # stream position 12
+    saved_model = nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(7, {"model": saved_model, "loader": old}, blocking=True)
+    old.close()
+    model, new = _zeroed(), loader(now)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "loader": new})
+        assert WAY in str(err.value), err.value
+        assert torch.count_nonzero(model.weight) == 0
+        state = ckpt.restore_latest({"model": model, "loader": new}, loader_policy="next-epoch")
+    assert state.epoch == 1 and torch.equal(model.weight, saved_model.weight)
+    restored = new.state_dict()
+    assert (restored["epoch"], restored["consumed"]) == (1, 0)
+    fresh = loader(now)
+    fresh.set_epoch(1)
+    want, got = list(islice(iter(fresh), 4)), list(islice(iter(new), 4))
+    assert [(b["source"].tolist(), b["index"].tolist()) for b in got] == \
+        [(b["source"].tolist(), b["index"].tolist()) for b in want]
+    alone = loader(now)  # a Loader alone
+    assert alone.next_epoch_state(saved) == restored
+    with pytest.raises(LoaderStateError, match="seed=4, this loader seed=5"):  # the rest is still checked
+        alone.next_epoch_state({**saved, "seed": 4})
+    damaged = {**saved, "mixture": {**saved["mixture"], "schedule": [[0, [1, 1]], [36.5, [3, 1]]]}}
+    with pytest.raises(LoaderStateError, match="position 36.5 is not an integer"):  # a damaged entry still named
+        alone.next_epoch_state(damaged)
+    for ld in (fresh, new, alone):
+        ld.close()
+
+
+def test_a_mixture_saved_at_an_epoch_boundary_restores_exactly_with_a_schedule_whose_past_changed(tmp_path):
+    """Found by the resume review, with the fix above: a loop that ran a whole epoch saves (1, 0), nothing of epoch 1
+    delivered. The exact restore into a schedule whose past changed refused it, and its message pointed to the
+    next-epoch restore, which starts epoch 2: a whole epoch never trained. Plain weights took such a state directly;
+    now a schedule does too (epoch 1 as set_epoch(1) draws it under the new schedule)."""
+    paths = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1)}
+
+    def loader(weights):
+        return Loader(Mixture(paths, weights=weights), batch_size=6, pipeline=Raw(), device="cpu", seed=5,
+                      world_size=1, rank=0, num_threads=1, prefetch=2)
+
+    old = loader([(0, {"a": 1, "b": 1}), (20, {"a": 3, "b": 1})])
+    for _ in old:
+        pass
+    saved = old.state_dict()
+    old.close()
+    assert (saved["epoch"], saved["consumed"]) == (1, 0)
+    now = [(0, {"a": 2, "b": 1}), (50, {"a": 1, "b": 3})]
+    new, fresh = loader(now), loader(now)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(3, {"loader": StateHolder(saved)}, blocking=True)
+        ckpt.restore_latest({"loader": new})  # exact
+    fresh.set_epoch(1)
+    want, got = list(islice(iter(fresh), 7)), list(islice(iter(new), 7))
+    assert [(b["source"].tolist(), b["index"].tolist()) for b in got] == \
+        [(b["source"].tolist(), b["index"].tolist()) for b in want]
+    for ld in (new, fresh):
+        ld.close()

@@ -6,9 +6,10 @@ import json
 import socket
 from pathlib import Path
 
-from helpers import start_ranks
+import pytest
+from helpers import join_group, start_ranks
 
-from fastio import ImageTrain
+from fastio import ImageTrain, Raw
 
 
 def _free_port() -> int:
@@ -97,3 +98,129 @@ def test_a_loader_made_before_init_process_group_refuses_to_iterate_as_the_wrong
                              "(under Lightning: in train_dataloader(), as "
                              "fastio.integrations.lightning.FastioDataModule does), or give rank= and world_size="), x
         assert x["whole"] == 48
+
+
+_ALIKE = "a fastio Loader's order is global"
+AGREE = {  # name: (rank -> the Loader's options, the field named, rank 0's value, rank 1's value) or no field
+    "same": (lambda rank, other: {}, None),
+    "seed_per_rank": (lambda rank, other: {"seed": 100 + rank}, ("seed", 100, 101)),
+    "given_ranks_seed_per_rank": (lambda rank, other: {"seed": rank, "rank": rank, "world_size": 2}, ("seed", 0, 1)),
+    "batch_per_rank": (lambda rank, other: {"batch_size": 4 + rank}, ("batch_size", 4, 5)),
+    "shuffle_per_rank": (lambda rank, other: {"shuffle": ("global", "none")[rank]}, ("shuffle", "global", "none")),
+    "drop_last_per_rank": (lambda rank, other: {"drop_last": bool(rank)}, ("drop_last", False, True)),
+    "dataset_per_rank": (lambda rank, other: {"dest": other} if rank else {}, ("fingerprint", None, None)),
+    "rank_local": (lambda rank, other: {"seed": rank, "rank": 0, "world_size": 1}, None),  # each rank's own Loader
+}
+
+
+def _agree_worker(rank: int, dest: str, other: str, base: str) -> None:
+    import torch.distributed as dist
+
+    from fastio import FastioError
+    from fastio.dist import default_store
+    from fastio.loader import Loader
+
+    for name, (options, _) in AGREE.items():
+        out = Path(base, name)
+        join_group(rank, 2, out / "group.port")
+        try:
+            chosen = {"dest": dest, "batch_size": 4, "pipeline": Raw(), "device": "cpu", "seed": 3,
+                      "num_threads": 1, **options(rank, other)}
+            if rank == 0:  # a Loader of this rank's own, iterated here only: no agreement, nothing to wait for
+                with Loader(dest, batch_size=4, pipeline=Raw(), device="cpu", num_threads=1, rank=0,
+                            world_size=1) as own:
+                    next(iter(own))
+            loader = Loader(chosen.pop("dest"), **chosen)
+            said, again, indices = None, None, []
+            try:
+                indices = next(iter(loader))["index"].tolist()
+            except FastioError as err:
+                said = str(err)
+                try:  # asked again: the same answer, without a second exchange the other rank would not join
+                    next(iter(loader))
+                except FastioError as err2:
+                    again = str(err2)
+            if rank == 0 and said is None:  # later iter() calls exchange nothing: rank 1 does not join this one
+                next(iter(loader))
+            loader.close()
+            dist.barrier()  # both ranks' exchanges are over: the last rank out removed its keys from the store
+            left = [k for k in default_store().list_keys() if k.startswith("fastio/")]
+            Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said, "again": again, "indices": indices,
+                                                                 "left": left}))
+        finally:
+            dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def agree_runs(tmp_path_factory, _image_originals, image_ds) -> Path:
+    base = tmp_path_factory.mktemp("loader-ranks-agree")
+    for name in AGREE:
+        (base / name).mkdir()
+    start_ranks(_agree_worker, (str(_image_originals[1]), str(image_ds), str(base)), 2)
+    return base
+
+
+@pytest.mark.parametrize("name", list(AGREE))
+def test_ranks_whose_loaders_differ_refuse_at_the_first_iter(agree_runs, _image_originals, name):
+    """Found by the resume review: ranks that made their Loader with another seed each (``seed=base + rank``, a
+    DataLoader habit), batch size, shuffle, drop_last or dataset sliced different global orders: samples came twice
+    and others never, silently, and only a Checkpointer's save noticed (its agreement on the loader state), if there
+    was one. Now the first ``iter()`` of a Loader whose ranks are torch.distributed's exchanges what must agree (one
+    exchange through the group's store, once in the Loader's life), and every rank refuses naming the field and both
+    values; a Loader of one rank's own (world_size=1) exchanges nothing."""
+    r = [json.loads((agree_runs / name / f"rank{k}.json").read_text()) for k in range(2)]
+    field = AGREE[name][1]
+    assert [x["left"] for x in r] == [[], []], r  # a group made again on the same store starts clean
+    if field is None:
+        assert [x["said"] for x in r] == [None, None], r
+        if name == "same":
+            assert r[0]["indices"] and r[1]["indices"] and not set(r[0]["indices"]) & set(r[1]["indices"])
+        return
+    key, a, b = field
+    root = _image_originals[1]
+    for x in r:
+        said = x["said"] or ""
+        assert said.startswith(f"{root}: {key} differs across ranks: rank 0 has "), r
+        if a is not None:
+            assert f"{key} differs across ranks: rank 0 has {a!r}, rank 1 has {b!r}; " in said, said
+        assert _ALIKE in said and "\n" not in said, said
+        assert x["again"] == said, x
+    assert r[0]["said"] == r[1]["said"]
+
+
+def _one_rank_iterates(rank: int, dest: str, out: str) -> None:
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from fastio import FastioError
+    from fastio.loader import Loader
+
+    join_group(rank, 2, Path(out, "group.port"))
+    try:
+        loader = Loader(dest, batch_size=4, pipeline=Raw(), device="cpu", num_threads=1)
+        said = None
+        if rank == 0:  # rank 1 never iterates its Loader: rank 0 waits the store's timeout, then says so
+            from fastio.dist import default_store
+            default_store().set_timeout(timedelta(seconds=3))
+            try:
+                next(iter(loader))
+            except FastioError as err:
+                said = str(err)
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said}))
+        dist.barrier()
+        loader.close()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_loader_iterated_on_one_rank_only_is_refused_after_the_stores_timeout(image_dataset, tmp_path):
+    """A Loader whose ranks are torch.distributed's, iterated by rank 0 alone (an evaluation under ``if rank == 0``,
+    which would read half of the data): the first iter() waits for the other ranks' word, and after the store's
+    timeout refuses naming how many ranks came and the way out, rather than hanging."""
+    start_ranks(_one_rank_iterates, (str(image_dataset), str(tmp_path)), 2)
+    said = json.loads((tmp_path / "rank0.json").read_text())["said"]
+    assert said is not None and said.startswith(f"{image_dataset}: this Loader's first iteration waited for the "
+                                                "other ranks to check that their Loaders are alike, and 1 of 2 "
+                                                "ranks came within the store's timeout ("), said
+    assert said.endswith("give it rank=0, world_size=1)") and "\n" not in said, said

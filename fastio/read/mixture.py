@@ -257,7 +257,8 @@ def mixture_state(mixture: Mixture) -> dict[str, Any]:
 def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int) -> None:
     """LoaderStateError unless a state saved at ``(epoch, consumed)`` can continue with ``mixture``: the same
     sources (names and datasets), and a schedule that keeps the past: the entries before the saved stream
-    position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length.
+    position ``epoch * samples_per_epoch + consumed`` as saved (later ones may differ), the same epoch length; at an
+    epoch boundary (nothing of the epoch delivered) any schedule, as ``set_epoch`` would draw that epoch.
     Plain weights on both sides (states from before schedules): as before, they may change at an epoch
     boundary (the new weights then order the stream as if they had always applied)."""
     if saved is None:
@@ -274,11 +275,13 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     if len(old) == 1 and len(mixture.phases) == 1:
         _check_weight_change(mixture, old[0][1], samples, epoch, consumed)
         return
+    if consumed == 0 or consumed == samples == mixture.samples_per_epoch:  # at an epoch boundary: nothing of the
+        return  # epoch it starts came, which the new schedule draws (a pure function of seed, epoch and schedule)
     if samples != mixture.samples_per_epoch:
         raise LoaderStateError(
             f"{mixture.root}: loader state has samples_per_epoch {samples}, this mixture "
             f"{mixture.samples_per_epoch}: a schedule's positions count samples across epochs of that length, "
-            "so it cannot change under a schedule")
+            f"so it cannot change under a schedule; start the next epoch with it {next_epoch_way(epoch)}")
     _check_past(mixture, old, epoch * samples + consumed, epoch, consumed)
 
 
@@ -392,7 +395,8 @@ def _check_past(mixture: Mixture, old: Sequence, position: int, epoch: int, cons
                 f"{mixture.root}: loader state is at stream position {position} (mixture epoch {epoch}, "
                 f"{count(consumed, 'sample')} in), and this mixture's schedule changes what came before it: entry {i} was "
                 f"{_describe_entry(mixture.names, a)} and is {_describe_entry(mixture.names, b)}; entries before "
-                f"position {position} must stay as saved (entries from {position} on may change)")
+                f"position {position} must stay as saved (entries from {position} on may change); or start the next "
+                f"epoch with this schedule {next_epoch_way(epoch)}")
 
 
 def _check_weight_change(mixture: Mixture, weights: Sequence[float], samples: int, epoch: int, consumed: int) -> None:
@@ -424,19 +428,20 @@ def next_epoch_way(epoch: int) -> str:
 
 def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:
     """``saved`` (a loader state's mixture entry) for a state moved to the start of an epoch, whose order is drawn
-    from the sources as they are: where it names the same sources, with their datasets as they are now (a source
-    converted again since); where it names other sources (one added, removed, renamed or moved: a data-schedule
-    change between runs), ``mixture``'s own entry, since the next epoch's order is this mixture's, a pure function
-    of the seed and the epoch (as ``set_epoch`` on a new Loader draws it). A damaged entry is kept as it is, for
-    :func:`check_mixture_state` to refuse naming it."""
+    from the mixture as it is: ``mixture``'s own entry, since the next epoch's order is this mixture's, a pure
+    function of the seed, the epoch and its schedule (as ``set_epoch`` on a new Loader draws it), whatever the
+    saved entry names: a source converted again since, other sources (one added, removed, renamed or moved: a
+    data-schedule change between runs), other weights or a schedule whose past changed (a user who edits the
+    schedule between runs). A damaged entry is kept as it is, for :func:`check_mixture_state` to refuse naming
+    it."""
     if not _complete(saved):
         return saved
     try:
         _check_entry(mixture, saved)
+        if list(saved["names"]) == list(mixture.names):  # other sources: their saved weights may not fit these
+            _saved_phases(mixture, saved)
     except LoaderStateError:
         return saved
-    if list(saved["names"]) == list(mixture.names):
-        return {**saved, "fingerprints": list(mixture.fingerprints)}
     return mixture_state(mixture)
 
 
