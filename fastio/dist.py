@@ -12,7 +12,9 @@ whether a process of this host has ended (:func:`process_gone`; :func:`process_s
 from __future__ import annotations
 
 import contextlib
+import datetime
 import itertools
+import logging
 import os
 import pickle
 import weakref
@@ -74,7 +76,13 @@ def _next_agreement() -> int:
     return next(_agreements[1])
 
 
-def agree_with_rank_zero(terms: Any, differ: Callable[[Any, Any], str | None], rank: int, world: int) -> str | None:
+NOTICE_AFTER_S = 60.0
+"""How long :func:`agree_with_rank_zero` waits for the other ranks before it logs that it waits (once; it goes on
+waiting for the store's timeout)."""
+
+
+def agree_with_rank_zero(terms: Any, differ: Callable[[Any, Any], str | None], rank: int, world: int,
+                         waiting: str = "") -> str | None:
     """Whether the ``world`` ranks of the default group hold ``terms`` alike: rank 0 posts its ``terms`` (small,
     picklable) in the group's store, every other rank compares its own with them (``differ(rank0_terms, mine)``:
     None, or one line naming what differs) and the first line posted is every rank's answer (None: all alike).
@@ -82,7 +90,9 @@ def agree_with_rank_zero(terms: Any, differ: Callable[[Any, Any], str | None], r
     One exchange: a rank sets or gets the terms, counts itself in, and waits for the last rank's word, a few
     requests whatever the world size. A collective: every rank of the group makes the same calls in the same order
     (the n-th call of each rank in this group meets the others' n-th). None where there is no store (no group).
-    TimeoutError saying how many ranks came where the others did not within the store's timeout."""
+    TimeoutError saying how many ranks came where the others did not within the store's timeout; after
+    :data:`NOTICE_AFTER_S` of waiting, one warning on the ``fastio`` logger: how many ranks came, then ``waiting``
+    (what the caller waits at, and why that may never end)."""
     store = default_store()
     if store is None:
         return None
@@ -98,7 +108,7 @@ def agree_with_rank_zero(terms: Any, differ: Callable[[Any, Any], str | None], r
             store.compare_set(f"{key}/problem", "", problem)  # the first rank's line stays
         if store.add(f"{key}/came", 1) == world:
             store.set(f"{key}/done", b"1")
-        store.wait([f"{key}/done"])
+        _wait_noting(store, f"{key}/done", lambda: f"{store.add(f'{key}/came', 0)} of {world} ranks", waiting)
     except RuntimeError as err:  # torch's DistStoreError: the store's timeout passed (or the store went)
         try:
             came = f"{store.add(f'{key}/came', 0)} of {world} ranks"
@@ -112,6 +122,17 @@ def agree_with_rank_zero(terms: Any, differ: Callable[[Any, Any], str | None], r
             with contextlib.suppress(RuntimeError, NotImplementedError):  # a store that cannot delete keeps them
                 store.delete_key(f"{key}/{part}")
     return problem
+
+
+def _wait_noting(store: Any, key: str, came: Callable[[], str], waiting: str) -> None:
+    """``store.wait`` for ``key``: first for :data:`NOTICE_AFTER_S`, then, having logged who came, for the store's
+    own timeout (RuntimeError, torch's DistStoreError, where it passes)."""
+    try:
+        store.wait([key], datetime.timedelta(seconds=NOTICE_AFTER_S))
+        return
+    except RuntimeError:
+        logging.getLogger("fastio").warning("fastio: %s came after %.0f s; %s", came(), NOTICE_AFTER_S, waiting)
+    store.wait([key])
 
 
 def usable_cpus() -> list[int]:

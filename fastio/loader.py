@@ -560,8 +560,11 @@ class Loader:
             self._ranks_differ = ""
             if now == (self.rank, self.world_size) and self.world_size > 1:
                 try:
-                    self._ranks_differ = agree_with_rank_zero(self._order_terms(), self._first_term_differing,
-                                                              self.rank, self.world_size) or ""
+                    self._ranks_differ = agree_with_rank_zero(
+                        self._order_terms(), self._first_term_differing, self.rank, self.world_size,
+                        waiting=f"{self.read_set.root}: this Loader's first iteration waits for the other ranks "
+                                "to check that their Loaders are alike (a Loader one rank iterates alone: give it "
+                                "rank=0, world_size=1)") or ""
                 except TimeoutError as err:
                     self._ranks_differ = (f"{self.read_set.root}: this Loader's first iteration waited for the other "
                                           f"ranks to check that their Loaders are alike, and {err}: every rank makes "

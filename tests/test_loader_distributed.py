@@ -199,15 +199,21 @@ def _one_rank_iterates(rank: int, dest: str, out: str) -> None:
     join_group(rank, 2, Path(out, "group.port"))
     try:
         loader = Loader(dest, batch_size=4, pipeline=Raw(), device="cpu", num_threads=1)
-        said = None
-        if rank == 0:  # rank 1 never iterates its Loader: rank 0 waits the store's timeout, then says so
-            from fastio.dist import default_store
-            default_store().set_timeout(timedelta(seconds=3))
+        said, noted = None, []
+        if rank == 0:  # rank 1 never iterates its Loader: rank 0 notes that it waits, then refuses at the timeout
+            import logging
+
+            import fastio.dist
+            fastio.dist.NOTICE_AFTER_S = 1.0
+            fastio.dist.default_store().set_timeout(timedelta(seconds=3))
+            handler = logging.Handler()
+            handler.emit = lambda record: noted.append(record.getMessage())
+            logging.getLogger("fastio").addHandler(handler)
             try:
                 next(iter(loader))
             except FastioError as err:
                 said = str(err)
-        Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said}))
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"said": said, "noted": noted}))
         dist.barrier()
         loader.close()
     finally:
@@ -217,9 +223,14 @@ def _one_rank_iterates(rank: int, dest: str, out: str) -> None:
 def test_a_loader_iterated_on_one_rank_only_is_refused_after_the_stores_timeout(image_dataset, tmp_path):
     """A Loader whose ranks are torch.distributed's, iterated by rank 0 alone (an evaluation under ``if rank == 0``,
     which would read half of the data): the first iter() waits for the other ranks' word, and after the store's
-    timeout refuses naming how many ranks came and the way out, rather than hanging."""
+    timeout refuses naming how many ranks came and the way out, rather than hanging; while it waits, it says so
+    once (after ``fastio.dist.NOTICE_AFTER_S``), so a job that waits the store's 30 minutes shows why in its log."""
     start_ranks(_one_rank_iterates, (str(image_dataset), str(tmp_path)), 2)
-    said = json.loads((tmp_path / "rank0.json").read_text())["said"]
+    rank0 = json.loads((tmp_path / "rank0.json").read_text())
+    assert rank0["noted"] == [f"fastio: 1 of 2 ranks came after 1 s; {image_dataset}: this Loader's first iteration "
+                              "waits for the other ranks to check that their Loaders are alike (a Loader one rank "
+                              "iterates alone: give it rank=0, world_size=1)"], rank0
+    said = rank0["said"]
     assert said is not None and said.startswith(f"{image_dataset}: this Loader's first iteration waited for the "
                                                 "other ranks to check that their Loaders are alike, and 1 of 2 "
                                                 "ranks came within the store's timeout ("), said
