@@ -237,7 +237,13 @@ def test_a_checkpointer_that_lost_its_lease_fails_the_save_without_uploading(mot
     # nothing uploaded, no retention on the store: step 1 is still there, step 2 never appeared
     assert ckpt.steps() == [1]
     assert sorted({o.key.split("/")[0] for o in store.list()}) == [LOCK_NAME, "step-1"]
-    ckpt.close()
+    # close() names where the only copy of step 2 is (the staging dir), uploads nothing and still lets go
+    with pytest.raises(CheckpointError, match=r"lease lost: taken over by fastio checkpointer pid 11 on node-q; "
+                                              r"nothing more uploaded or deleted; step 2 is committed only in "
+                                              r".*/s/step-2 \(not uploaded\)"):
+        ckpt.close()
+    assert (tmp_path / "s" / "step-2").is_dir()
+    assert sorted({o.key.split("/")[0] for o in store.list()}) == [LOCK_NAME, "step-1"]
     assert store.get(LOCK_NAME) == thief
     restored = make_app(seed=3)
     store.delete(LOCK_NAME)
