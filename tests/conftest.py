@@ -32,51 +32,60 @@ def _cuda_available() -> bool:
 # --no-loadscope-reorder: files handed out in this order) end on short files and finish together, instead of
 # one idling while the other runs a long file handed out last (xdist's default order puts files with few
 # tests, these ones, last).
-SLOW_FILES = (  # seconds of each, summed over its tests (setup included) in one `make test` run on the quiet 2-core
-    # machine (Dec 7 2026, 12:21 UTC: 3131 tests, 685.7 s of tests in 375.7 s with two
-    # workers); every file of 5 s or more
-    "test_docs.py",  # 40
-    "test_checkpoint_s3.py",  # 39
-    "test_media_dist.py",  # 26
-    "test_checkpoint_waiting.py",  # 24
-    "test_accelerate.py",  # 23: 32 before its multi-process runs shared one launch (Dec 7 15:15, 35.2 -> 25.6 s alone)
-    "test_checkpoint_readonly.py",  # 22
-    "test_bench_gpu.py",  # 22
-    "test_torchft_loader.py",  # 18
-    "test_checkpoint_agree.py",  # 16: 19 before its give-ups were shorter (Dec 7 15:15, 22.8 -> 19.7 s alone)
-    "test_torchft.py",  # 15
-    "test_storage_lease.py",  # 14
-    "test_checkpoint_resume.py",  # 13
-    "test_bench_revs.py",  # 12
-    "test_checkpoint.py",  # 12
-    "test_mixture.py",  # 11
-    "test_cache.py",  # 11
-    "test_storage_stall.py",  # 11
-    "test_checkpoint_rollback.py",  # 11
-    "test_media.py",  # 11
-    "test_lightning_resume.py",  # 10
-    "test_storage_cli.py",  # 10
-    "test_kill.py",  # 9
-    "test_tokens_index_integrity.py",  # 9
-    "test_workers.py",  # 9
-    "test_lightning.py",  # 9: 16 before its DDP runs were forked from one python (Dec 7 15:15, 24.6 -> 14.0 s alone)
-    "test_tokens_read.py",  # 8
-    "test_newcomer.py",  # 8
-    "test_index.py",  # 8
-    "test_loader_errors.py",  # 7
-    "test_media_fallback.py",  # 7
-    "test_loader_resume.py",  # 7
-    "test_checkpoint_fsdp.py",  # 7
-    "test_checkpoint_s3_dist.py",  # 7
-    "test_vlm_example.py",  # 7
-    "test_media_formats.py",  # 6
-    "test_working_set.py",  # 6
-    "test_storage.py",  # 6
-    "test_convert_bad_sources.py",  # 5
-    "test_checkpoint_ranks.py",  # 5
-    "test_training_example_flags.py",  # 5
-    "test_checkpoint_dist.py",  # 5
-    "test_bench_checkpoint_peers.py",  # 5
+SLOW_FILES = (  # seconds of each, summed over its tests (setup included) in one `make test` run on the 2-core
+    # machine with other work running (Dec 7 2026, 17:28 UTC: 3208 tests, 1284 s of tests in 472 s with three
+    # workers; about 1.9x a quiet run's seconds); every file of 9 s or more
+    "test_docs.py",  # 88
+    "test_checkpoint_s3.py",  # 57
+    "test_accelerate.py",  # 44
+    "test_media_dist.py",  # 43
+    "test_lightning.py",  # 31
+    "test_torchft.py",  # 29: its example's refusals run by the warm interpreter
+    "test_checkpoint_resume.py",  # 28: its unlabelled-dataset refusal run by the warm interpreter
+    "test_mixture.py",  # 28
+    "test_convert.py",  # 27
+    "test_lightning_resume.py",  # 25
+    "test_checkpoint_readonly.py",  # 24: its trainer and reader processes started by the warm interpreter
+    "test_newcomer.py",  # 24
+    "test_index.py",  # 23
+    "test_torchft_loader.py",  # 23
+    "test_checkpoint.py",  # 23
+    "test_tokens_index_integrity.py",  # 23
+    "test_checkpoint_waiting.py",  # 23: its slow-ranks test saves 6 times, not 10
+    "test_training_example_flags.py",  # 22
+    "test_checkpoint_torchsnapshot_slabs.py",  # 22
+    "test_checkpoint_agree.py",  # 22
+    "test_checkpoint_rollback.py",  # 21
+    "test_storage_cli.py",  # 20
+    "test_kill.py",  # 19
+    "test_workers.py",  # 18
+    "test_checkpoint_dist.py",  # 18
+    "test_cache.py",  # 18
+    "test_vlm_example.py",  # 17
+    "test_media_fallback.py",  # 17
+    "test_image_text_s3.py",  # 16
+    "test_checkpoint_compression.py",  # 16
+    "test_storage_lease.py",  # 15
+    "test_checkpoint_ranks.py",  # 15
+    "test_architecture.py",  # 15
+    "test_loader_errors.py",  # 15
+    "test_tokens_s3_source.py",  # 15
+    "test_checkpoint_s3_dist.py",  # 14
+    "test_warm_python.py",  # 14
+    "test_chat_convert.py",  # 14
+    "test_working_set.py",  # 13
+    "test_loader_resume.py",  # 13
+    "test_media.py",  # 12
+    "test_checkpoint_strict.py",  # 12
+    "test_storage_stall.py",  # 12
+    "test_tokens_read.py",  # 12
+    "test_chat_loader.py",  # 11
+    "test_checkpoint_fsdp.py",  # 11
+    "test_image_text_load.py",  # 10
+    "test_convert_bad_sources.py",  # 10
+    "test_storage.py",  # 9
+    "test_tokens_index_ids.py",  # 9
+    "test_bench_checkpoint_peers.py",  # 9
 )
 
 

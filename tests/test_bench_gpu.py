@@ -16,12 +16,20 @@ TINY = {"UNIQUE": 48, "COPIES": 3, "VIDEOS": 8, "VIDEO_LENGTH": 40, "MODEL": "ti
 
 @pytest.fixture(scope="module")
 def work(tmp_path_factory):
+    """The tiny sizes and a work folder; each section makes the data it reads there on first use (as on the GPU
+    machine without ``prepare``), so the tests of ``make test`` (images, tokens) make no videos or image-text set."""
     with pytest.MonkeyPatch.context() as mp:
         for name, value in TINY.items():
             mp.setattr(gpu, name, value)
-        root = tmp_path_factory.mktemp("gpu-bench")
-        gpu.main(["prepare", "--workdir", str(root), "--out", str(root / "out")])
-        yield root, mp
+        yield tmp_path_factory.mktemp("gpu-bench"), mp
+
+
+@pytest.fixture(scope="module")
+def prepared(work):
+    """``work`` after ``gpu.py prepare``: every section's data made, and ``gpu-prepare.json`` written."""
+    root, _ = work
+    gpu.main(["prepare", "--workdir", str(root), "--out", str(root / "out")])
+    return work
 
 
 def _section(work, name: str) -> dict:
@@ -31,8 +39,8 @@ def _section(work, name: str) -> dict:
 
 
 @pytest.mark.bench
-def test_prepare_makes_every_sections_data(work):
-    root, _ = work
+def test_prepare_makes_every_sections_data(prepared):
+    root, _ = prepared
     made = json.loads((root / "out" / "gpu-prepare.json").read_text())
     assert set(made) >= {"images", "videos", "tokens", "image_text", "machine"}
     assert all(Path(made[k]["path"], "manifest.json").is_file() for k in ("images", "videos", "tokens", "image_text"))

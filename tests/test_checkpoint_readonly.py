@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -22,43 +21,50 @@ from fastio.storage import open_storage
 REPO = Path(__file__).resolve().parents[1]
 
 TRAINER = """
-    import json, sys
+    import json, os, sys, time
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
     from fastio.checkpoint import Checkpointer
 
-    where, options, staging = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
+    where, options, staging, done = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4]
     kw = {"storage_options": options, "staging_dir": staging} if options else {}
     with Checkpointer(where, signals=(), **kw) as ckpt:
         for step in (1, 2):
             ckpt.save(step, {"model": StateHolder({"w": torch.full((4,), float(step))})}, blocking=True)
         print("ready", flush=True)
-        sys.stdin.readline()  # holds the lock (and lease) until the test is done
+        while not os.path.exists(done):  # holds the lock (and lease) until the test is done
+            time.sleep(0.05)
 """
 
 
-class Trainer:
-    """A training Checkpointer in a real process, holding DIR's lock after saving steps 1 and 2."""
+def repo_env(**more: str) -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), **more}
 
-    def __init__(self, where: str, tmp_path: Path, options: dict | None = None):
+
+class Trainer:
+    """A training Checkpointer in a real process (started by the warm interpreter: torch is imported already),
+    holding DIR's lock after saving steps 1 and 2, until the test is done."""
+
+    def __init__(self, warm, where: str, tmp_path: Path, options: dict | None = None):
         import json
 
-        script = tmp_path / "trainer.py"
+        script, self.done = tmp_path / "trainer.py", tmp_path / "trainer.done"
         script.write_text(textwrap.dedent(TRAINER))
-        self.proc = subprocess.Popen([sys.executable, str(script), where, json.dumps(options or {}),
-                                      str(tmp_path / "trainer-staging")], cwd=REPO, stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                     env={**os.environ, "PYTHONPATH": str(REPO)})
+        self.run = warm.start(script, REPO, where, json.dumps(options or {}), str(tmp_path / "trainer-staging"),
+                              str(self.done), env=repo_env())
 
     def __enter__(self):
-        line = self.proc.stdout.readline()
-        assert line.strip() == "ready", line + self.proc.stderr.read()
+        line = next(self.run.lines(), "")
+        if line.strip() != "ready":
+            self.done.touch()
+            raise AssertionError(line + "".join(self.run.wait()[1:]))
         return self
 
     def __exit__(self, *exc):
-        self.proc.stdin.close()
-        assert self.proc.wait(timeout=60) == 0, self.proc.stderr.read()
+        self.done.touch()
+        rc, out, err = self.run.wait()
+        assert rc == 0, out + err
 
 
 def app() -> dict:
@@ -69,12 +75,12 @@ def tree(root: Path) -> dict[str, int]:
     return {str(p.relative_to(root)): p.stat().st_size for p in sorted(root.rglob("*"))}
 
 
-def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_path, caplog):
+def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_path, caplog, warm):
     """Before: a second Checkpointer on the directory was refused by the writer's lock, so evaluation beside
     training could not restore. Now read_only=True restores (falling back past a damaged step without moving it),
     leaves fastio's own leftovers alone, and refuses to save; the writer's refusal names read_only=True."""
     root = tmp_path / "ck"
-    with Trainer(str(root), tmp_path):
+    with Trainer(warm, str(root), tmp_path):
         with pytest.raises(CheckpointError, match=r"in use by .*read_only=True"):
             Checkpointer(root, signals=())
         abandoned = root / "step-3.tmp"
@@ -98,10 +104,10 @@ def test_a_read_only_restore_runs_beside_a_training_job_and_changes_nothing(tmp_
         victim.unlink()  # the training job can still commit (its lock was never disturbed)
 
 
-def test_a_read_only_restore_on_s3_takes_no_lease_and_no_staging_dir(moto_server, s3_bucket, tmp_path):
+def test_a_read_only_restore_on_s3_takes_no_lease_and_no_staging_dir(moto_server, s3_bucket, tmp_path, warm):
     url = f"s3://{s3_bucket}/ckpt"
     options = moto_server.options()
-    with Trainer(url, tmp_path, options):
+    with Trainer(warm, url, tmp_path, options):
         with pytest.raises(CheckpointError, match=r"read_only=True"):
             Checkpointer(url, storage_options=options, staging_dir=tmp_path / "second", signals=())
         lease = open_storage(url, options).get(".fastio-lock")
@@ -154,7 +160,7 @@ def test_a_read_only_restore_of_an_s3_prefix_without_checkpoints_is_an_error(mot
 
 
 READER = """
-    import json, os, signal, sys
+    import json, os, signal, sys, time
     import torch
     sys.path.insert(0, "tests")
     from helpers import StateHolder
@@ -165,12 +171,13 @@ READER = """
     print(ckpt.dir, flush=True)
     if sys.argv[3] == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
-    sys.stdin.readline()  # alive until the test is done
+    while not os.path.exists(sys.argv[4]):  # alive until the test is done
+        time.sleep(0.05)
 """
 
 
 def test_a_killed_read_only_restore_on_s3_leaves_no_private_copy_behind(moto_server, s3_bucket, tmp_path,
-                                                                         monkeypatch):
+                                                                         monkeypatch, warm):
     """Before: a read-only restore of an s3:// dir without staging_dir downloads into a private temporary directory
     that only close() removed: a killed evaluation job left a whole checkpoint's copy in /tmp each time. Now the next
     one removes the copies of processes that are gone (by pid and start time), never a live process's."""
@@ -178,7 +185,7 @@ def test_a_killed_read_only_restore_on_s3_leaves_no_private_copy_behind(moto_ser
     import tempfile
 
     url, options = f"s3://{s3_bucket}/ckpt", moto_server.options()
-    with Trainer(url, tmp_path, options):
+    with Trainer(warm, url, tmp_path, options):
         pass  # steps 1 and 2 on the store
     tmp = tmp_path / "tmp"
     tmp.mkdir()
@@ -186,19 +193,20 @@ def test_a_killed_read_only_restore_on_s3_leaves_no_private_copy_behind(moto_ser
     script = tmp_path / "reader.py"
     script.write_text(textwrap.dedent(READER))
 
-    def reader(how: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, str(script), url, json.dumps(options), how], cwd=REPO,
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "PYTHONPATH": str(REPO), "TMPDIR": str(tmp)})
+    done = tmp_path / "reader.done"
+
+    def reader(how: str):  # started by the warm interpreter (one at a time)
+        return warm.start(script, REPO, url, json.dumps(options), how, str(done), env=repo_env(TMPDIR=str(tmp)))
 
     killed = reader("kill")
-    killed_dir = Path(killed.stdout.readline().strip())
-    assert killed.wait(timeout=60) == -9, killed.stderr.read()
+    killed_dir = Path(next(killed.lines(), "").strip())
+    rc, _, err = killed.wait()
+    assert rc == -9, err
     assert killed_dir.parent == tmp and (killed_dir / "step-2" / naming.COMMIT_FILE).is_file()  # left by the kill
     live = reader("live")
     try:
-        live_dir = Path(live.stdout.readline().strip())
-        assert live_dir.parent == tmp and live_dir.is_dir(), live.stderr.read()
+        live_dir = Path(next(live.lines(), "").strip())
+        assert live_dir.parent == tmp and live_dir.is_dir(), live_dir
         mine = Checkpointer(url, storage_options=options, read_only=True, signals=())
         assert mine.restore_latest(app()).step == 2
         with Checkpointer(url, storage_options=options, read_only=True, signals=()) as again:
@@ -208,8 +216,8 @@ def test_a_killed_read_only_restore_on_s3_leaves_no_private_copy_behind(moto_ser
         mine.close()
         assert not mine.dir.exists()
     finally:
-        live.stdin.close()
-        live.wait(timeout=60)
+        done.touch()
+        live.wait()
 
 
 KILLED_IN_DECOMPRESS = """
@@ -227,7 +235,7 @@ KILLED_IN_DECOMPRESS = """
 """
 
 
-def test_a_killed_read_only_restore_of_a_compressed_checkpoint_is_cleaned_by_the_next_one(tmp_path):
+def test_a_killed_read_only_restore_of_a_compressed_checkpoint_is_cleaned_by_the_next_one(tmp_path, warm):
     """Before: a read-only restore of a compressed local checkpoint decompresses into `.step-N.restore-PID` in DIR;
     killed, it left that copy there, and only a writer's restore ever removed it (an evaluation beside training
     left one more copy per kill). Now the next restore, read-only too, removes the copies of ended processes (by pid
@@ -238,9 +246,8 @@ def test_a_killed_read_only_restore_of_a_compressed_checkpoint_is_cleaned_by_the
     script = tmp_path / "killed.py"
     script.write_text(textwrap.dedent(KILLED_IN_DECOMPRESS))
     before = tree(root)
-    killed = subprocess.run([sys.executable, str(script), str(root)], cwd=REPO, capture_output=True, text=True,
-                            env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=120)
-    assert killed.returncode == -9, killed.stderr
+    rc, _, err = warm.run(script, REPO, str(root), env=repo_env(), timeout=120)
+    assert rc == -9, err
     left = sorted(p.name for p in root.iterdir() if p.name.startswith(".step-1.restore-"))
     assert len(left) == 1, sorted(p.name for p in root.iterdir())  # the kill left its working copy
     live = subprocess.Popen(["sleep", "60"])  # a live process of this host, as another reader

@@ -294,43 +294,42 @@ def test_the_example_stops_when_its_step_gets_no_quorum(tmp_path, image_dataset,
                            "asked the lighthouse than its --min_replicas): "), last
 
 
-def _example_alone(env: dict[str, str], *argv: str, seconds: float = 60):
-    """``python examples/torchft_train.py ARGV`` as a user starts it by hand: ``env`` over an environment without
-    torchrun's and torchft's variables."""
+def _example_alone(warm, env: dict[str, str], *argv: str, seconds: float = 60):
+    """``python examples/torchft_train.py ARGV`` as a user starts it by hand (run by the warm interpreter: torch is
+    imported already): ``env`` over an environment without torchrun's and torchft's variables."""
     import subprocess
-    import sys
 
     clean = {k: v for k, v in os.environ.items()
              if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "TORCHFT_LIGHTHOUSE")}
-    return subprocess.run([sys.executable, str(EXAMPLE), *argv], env={**clean, **env}, capture_output=True, text=True,
-                          timeout=seconds)
+    rc, out, err = warm.run(EXAMPLE, Path.cwd(), *argv, env={**clean, **env}, timeout=seconds)
+    return subprocess.CompletedProcess([str(EXAMPLE), *argv], rc, out, err)
 
 
-def test_the_example_started_without_torchrun_says_so_in_one_line(image_dataset):
+def test_the_example_started_without_torchrun_says_so_in_one_line(image_dataset, warm):
     """Found by the integrations review: `python examples/torchft_train.py --data ds/train` (no torchrun) ended in
     torchft's KeyError: 'MASTER_ADDR' traceback; without TORCHFT_LIGHTHOUSE it would be a KeyError too."""
-    done = _example_alone({}, "--data", str(image_dataset))
+    done = _example_alone(warm, {}, "--data", str(image_dataset))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip() == ("torchft_train: MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, TORCHFT_LIGHTHOUSE not "
                                    "set: start it with torchrun and TORCHFT_LIGHTHOUSE=http://HOST:PORT (see --help)"), \
         done.stderr
     torchrun = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "1"}
-    done = _example_alone(torchrun, "--data", str(image_dataset))
+    done = _example_alone(warm, torchrun, "--data", str(image_dataset))
     assert done.returncode == 2 and done.stderr.strip().startswith("torchft_train: TORCHFT_LIGHTHOUSE not set"), \
         done.stderr
 
 
-def test_the_example_names_a_missing_dataset_before_it_waits_for_torchft(tmp_path):
+def test_the_example_names_a_missing_dataset_before_it_waits_for_torchft(tmp_path, warm):
     """Found by the integrations review: a --data that does not exist was found only after the Manager had connected
     to the group's store, which a store that is not there (a typo in MASTER_PORT) made a silent wait of minutes."""
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "1",
            "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"}
-    done = _example_alone(env, "--data", str(tmp_path / "nowhere"), seconds=60)
+    done = _example_alone(warm, env, "--data", str(tmp_path / "nowhere"), seconds=60)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == f"torchft_train: {tmp_path / 'nowhere'}: no such dataset directory", done.stderr
 
 
-def test_the_example_names_a_dataset_without_labels_before_it_waits_for_torchft(tmp_path):
+def test_the_example_names_a_dataset_without_labels_before_it_waits_for_torchft(tmp_path, warm):
     """Found by the integrations review: a dataset without labels (a flat image folder converted) ended in torch's
     TypeError traceback (nn.Linear(8, None)) once torchft was up; now one line before torchft starts."""
     from PIL import Image
@@ -343,7 +342,7 @@ def test_the_example_names_a_dataset_without_labels_before_it_waits_for_torchft(
     convert(ConvertConfig(source=tmp_path / "flat", dest=tmp_path / "unlabelled", workers=1, progress=False))
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1", "RANK": "0", "WORLD_SIZE": "1",
            "TORCHFT_LIGHTHOUSE": "http://127.0.0.1:1"}
-    done = _example_alone(env, "--data", str(tmp_path / "unlabelled"))
+    done = _example_alone(warm, env, "--data", str(tmp_path / "unlabelled"))
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.strip().startswith(f"torchft_train: {tmp_path / 'unlabelled'}: a dataset without labels"), \
         done.stderr

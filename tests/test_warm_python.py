@@ -49,9 +49,11 @@ def test_a_run_past_its_timeout_or_killed_reports_the_signal(warm, tmp_path):
 
 
 def test_a_runs_environment_is_its_own_and_what_is_read_at_start_is_refused(warm, tmp_path):
-    path = script(tmp_path, "import os, sys\nprint(os.environ.get('WARM_TEST'), sys.path[1])\n")
-    rc, out, _ = warm.run(path, tmp_path, env={**os.environ, "WARM_TEST": "yes", "PYTHONPATH": "/nowhere"})
-    assert (rc, out) == (0, "yes /nowhere\n")
+    path = script(tmp_path, "import os, sys, tempfile\nprint(os.environ.get('WARM_TEST'), sys.path[1])\n"
+                            "print(tempfile.gettempdir() == os.environ.get('TMPDIR'))\n")
+    rc, out, _ = warm.run(path, tmp_path, env={**os.environ, "WARM_TEST": "yes", "PYTHONPATH": "/nowhere",
+                                               "TMPDIR": str(tmp_path)})
+    assert (rc, out) == (0, "yes /nowhere\nTrue\n")  # TMPDIR too, though the server's torch chose /tmp
     assert warm.run(path, tmp_path)[1].startswith("None ")  # the next run has the server's environment again
     with pytest.raises(AssertionError, match="cannot run with other OMP_NUM_THREADS"):
         warm.run(path, tmp_path, env={**os.environ, "OMP_NUM_THREADS": "7"})

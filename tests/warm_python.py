@@ -20,8 +20,9 @@ right then would be. A signal sent by the test when it reads that line raced the
 4 steps, an evaluation and a save in 60 ms, and on a loaded machine it had ended before the signal came.
 
 A request may carry an environment (``env``): the child takes it, and its ``PYTHONPATH`` goes on ``sys.path`` after
-the script's folder; what is read at an interpreter's or torch's start (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``...)
-must be the server's (``WarmPython`` refuses otherwise).
+the script's folder (``tempfile`` picks its folder again, from the child's ``TMPDIR``); what is read at an
+interpreter's or torch's start (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``...) must be the server's (``WarmPython``
+refuses otherwise).
 
 Protocol (``WarmPython``): one JSON line a request on stdin, ``{"script", "cwd", "args", "timeout", "env", "path",
 "out", "err", "signal_at"}``; two JSON lines a reply on stdout: ``{"pid": the child's process id}`` once it is forked, then
@@ -61,6 +62,7 @@ def _child(request: dict) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.path[1:1] = request["path"]  # PYTHONPATH's folders, where the server started without them
+    tempfile.tempdir = None  # chosen again from the run's TMPDIR, as a fresh python does (torch's import chose it)
     run_as_main(script)
 
 
