@@ -33,22 +33,38 @@ def test_reads_the_stored_bytes(image_dataset, image_folder):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def _shard_fds(root) -> list[str]:
+    """The shard files of dataset ``root`` this process holds open, one entry per descriptor (descriptors of other
+    files, which other threads of an xdist worker may open or close meanwhile, are not counted)."""
+    held = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # closed since the listing
+            continue
+        if target.startswith(f"{root}/") and target.endswith(".tar"):
+            held.append(target)
+    return sorted(held)
+
+
 def test_concurrent_first_opens_keep_one_descriptor_per_shard_and_close_all(image_dataset):
     """Many threads open (and hash) the same shards at once: one descriptor each, every one closed."""
     ds = Dataset(image_dataset)
     gc.collect()  # objects of earlier tests (a Dataset holds its index map's descriptor) close theirs now
-    before = _open_fds()
+    root = os.path.realpath(image_dataset)
+    assert _shard_fds(root) == []
     reader = Reader(ds, ["jpg"], threads=8, verify=True)
     every = np.arange(len(ds))
     futures = [reader.submit(np.roll(every, 16 * (k % 3))) for k in range(24)]  # all threads start on a shard
     wait(futures)
     assert all(f.result().fields["jpg"][0].size > 0 for f in futures)
-    assert _open_fds() - before == len(ds.shards)  # 3 shards: no duplicate left open by a lost race
+    held = _shard_fds(root)  # 3 shards: one descriptor each, no duplicate left open by a lost race
+    assert len(held) == len(ds.shards) and len(set(held)) == len(held), held
     reader.close()
-    assert _open_fds() == before
+    assert _shard_fds(root) == []
     with pytest.raises(RuntimeError, match="reader is closed"):
         reader.read(np.array([0]))
-    assert _open_fds() == before
+    assert _shard_fds(root) == []
 
 
 def test_threads_reading_the_same_shards_at_once_parse_each_index_once(image_dataset, monkeypatch):
