@@ -67,7 +67,8 @@ RNG_KEY = "_fastio_rng"
 _CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)
 """A directory this process may not write (a read-only mount, another user's)."""
 LOADER_POLICIES = ("exact", "next-epoch")
-"""``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
+"""``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the start of the next epoch
+not begun (:func:`fastio.checks.next_epoch_start`)."""
 
 
 @dataclass
