@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from fastio.checks import integer
+from fastio.checks import integer, next_epoch_start
 from fastio.dataset.dataset import Dataset
 from fastio.dist import agree_with_rank_zero, alone_on_node, initialized_rank_and_world, rank_and_world, usable_cpus
 from fastio.errors import (
@@ -487,7 +487,7 @@ class Loader:
             raise LoaderStateError(f"{rs.root}: loader state is for dataset fingerprint {state[K_FINGERPRINT]}, "
                                    f"this dataset is {rs.fingerprint} (another dataset, or this one converted "
                                    "again): the saved position names samples of that one; start the next epoch "
-                                   f"{next_epoch_way(state[K_EPOCH])}")
+                                   f"{next_epoch_way(state[K_EPOCH], state[K_CONSUMED])}")
         mine = self.state_dict()
         for k in _ORDER_KEYS:
             if k == K_BLOCK_SHARDS and state[K_SHUFFLE] != "block":
@@ -508,7 +508,9 @@ class Loader:
         return state
 
     def next_epoch_state(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The state that starts the epoch after ``state``'s with this Loader's data: what
+        """The state that starts the next epoch not begun with this Loader's data: ``state``'s own epoch where
+        nothing of it was delivered (``consumed`` 0: saved at an epoch boundary, ``(1, 0)`` after epoch 0's last
+        batch), else the one after it (:func:`~fastio.checks.next_epoch_start`); what
         ``Checkpointer.restore_latest(..., loader_policy="next-epoch")`` loads (``load_state_dict`` takes it too).
         Nothing of that epoch has been delivered, so its order is drawn from the data as it is now: a dataset (or a
         mixture's source) converted again since the save, with more or other samples, is taken, and so is a mixture
@@ -518,10 +520,11 @@ class Loader:
         seed, shuffle, the pipeline's entry); changes nothing. Refused with ``replicas=`` (the position is the
         torchft Manager's step)."""
         state = _checked_state(state, next_epoch=True)
+        start = next_epoch_start(state[K_EPOCH], state[K_CONSUMED])
         if self._replicas is not None:  # the position is the Manager's step
-            self._replicas.refuse_next_epoch(state[K_EPOCH], len(self._sampler))
+            self._replicas.refuse_next_epoch(start, len(self._sampler))
         rs = self.read_set
-        moved = {**state, K_VERSION: STATE_VERSION, K_EPOCH: state[K_EPOCH] + 1, K_CONSUMED: 0,
+        moved = {**state, K_VERSION: STATE_VERSION, K_EPOCH: start, K_CONSUMED: 0,
                  K_FINGERPRINT: rs.fingerprint, **rs.renewed_state(state)}
         return self.check_state_dict(moved)
 
@@ -990,5 +993,5 @@ def _checked_state(state: Any, *, next_epoch: bool = False) -> dict[str, Any]:
     if version == 1 and not next_epoch:
         raise LoaderStateError(f"loader state version 1 is from a fastio whose sample order differs (a materialised "
                                f"numpy permutation); this fastio reads version {STATE_VERSION} and cannot continue "
-                               f"that epoch: start the next epoch {next_epoch_way(state[K_EPOCH])}")
+                               f"that epoch: start the next epoch {next_epoch_way(state[K_EPOCH], state[K_CONSUMED])}")
     return state

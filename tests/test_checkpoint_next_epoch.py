@@ -12,6 +12,7 @@ from itertools import islice
 import numpy as np
 import pytest
 import torch
+from conftest import write_image_dataset
 from helpers import StateHolder
 from test_mixture import _small
 from tokens_helpers import word_corpus
@@ -325,3 +326,109 @@ def test_a_mixture_saved_at_an_epoch_boundary_restores_exactly_with_a_schedule_w
         [(b["source"].tolist(), b["index"].tolist()) for b in want]
     for ld in (new, fresh):
         ld.close()
+
+
+def _way(epoch: int) -> str:
+    return WAY.replace("set_epoch(1)", f"set_epoch({epoch})")
+
+
+def _images(ds):
+    return Loader(ds, batch_size=4, pipeline=Raw(), device="cpu", seed=3, world_size=1, rank=0, num_threads=1)
+
+
+@pytest.mark.parametrize("more,start", [(0, 1), (1, 2)])  # (1, 0) at the epoch boundary; (1, 4) mid-epoch
+def test_an_image_dataset_converted_again_after_a_whole_epoch_restores_the_epoch_it_had_not_begun(
+        tmp_path, image_dataset, image_folder, more, start):
+    """Found by the resume review: a loop that ran epoch 0 to its end saves (1, 0), nothing of epoch 1 delivered.
+    Its dataset converted again, the exact restore refused, naming set_epoch(2), and loader_policy='next-epoch' (and
+    Loader.next_epoch_state) started epoch 2: epoch 1 never trained, and TrainState.epoch said 2. A state with
+    nothing of its epoch delivered starts that epoch; one mid-epoch (1, 4) still starts epoch 2."""
+    with _images(image_dataset) as old:
+        for _ in old:  # epoch 0, to its end
+            pass
+        list(islice(iter(old), more))  # and the first batch of epoch 1
+        saved = old.state_dict()
+        assert (saved["epoch"], saved["consumed"]) == (1, 4 * more)
+        saved_model = nn.Linear(4, 2)
+        with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+            ckpt.save(5, {"model": saved_model, "loader": old}, blocking=True)
+    first = next(image_folder.rglob("*.jpg"))
+    shutil.copy(first, first.with_name("again.jpg"))  # the folder gained an image, converted again into the same DEST
+    shutil.rmtree(image_dataset)
+    write_image_dataset(image_dataset, image_folder)
+    model, new = _zeroed(), _images(image_dataset)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": model, "loader": new})
+        text = str(err.value)
+        assert "converted again" in text and _way(start) in text, text
+        state = ckpt.restore_latest({"model": model, "loader": new}, loader_policy="next-epoch")
+    assert (state.step, state.epoch) == (5, start) and torch.equal(model.weight, saved_model.weight)
+    assert (new.state_dict()["epoch"], new.state_dict()["consumed"]) == (start, 0)
+    with _images(image_dataset) as fresh, _images(image_dataset) as alone:
+        fresh.set_epoch(start)
+        assert [b["index"].tolist() for b in islice(iter(new), 3)] == \
+            [b["index"].tolist() for b in islice(iter(fresh), 3)]
+        with pytest.raises(LoaderStateError, match="converted again") as err:  # a Loader alone
+            alone.load_state_dict(saved)
+        assert _way(start) in str(err.value), err.value
+        assert alone.next_epoch_state(saved) == new.state_dict() | {"consumed": 0, "epoch": start}
+    new.close()
+
+
+@pytest.mark.parametrize("change", ["added", "converted"])
+def test_a_mixture_whose_sources_changed_after_a_whole_epoch_restores_the_epoch_it_had_not_begun(tmp_path, change):
+    """As above for a mixture: saved at (1, 0) after its whole epoch 0, then a source added (or one converted
+    again): the next-epoch restore started epoch 2, and the refusal named set_epoch(2)."""
+    paths = {"a": _small(tmp_path / "a", 30, 0), "b": _small(tmp_path / "b", 7, 1), "c": _small(tmp_path / "c", 13, 2)}
+
+    def loader(names):
+        return Loader(Mixture({k: paths[k] for k in names}, weights={k: 1 for k in names}), batch_size=6,
+                      pipeline=Raw(), device="cpu", seed=5, world_size=1, rank=0, num_threads=1, prefetch=2)
+
+    with loader("ab") as old:
+        for _ in old:
+            pass
+        saved = old.state_dict()
+        with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+            ckpt.save(7, {"model": nn.Linear(4, 2), "loader": old}, blocking=True)
+    assert (saved["epoch"], saved["consumed"]) == (1, 0)
+    if change == "converted":
+        shutil.rmtree(paths["b"])
+        _small(paths["b"], 11, 1, extra=b"y")
+    names = "abc" if change == "added" else "ab"
+    new = loader(names)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        with pytest.raises(CheckpointError) as err:
+            ckpt.restore_latest({"model": _zeroed(), "loader": new})
+        assert _way(1) in str(err.value), err.value
+        state = ckpt.restore_latest({"model": _zeroed(), "loader": new}, loader_policy="next-epoch")
+    assert state.epoch == 1 and (new.state_dict()["epoch"], new.consumed) == (1, 0)
+    with loader(names) as fresh, loader(names) as alone:
+        fresh.set_epoch(1)
+        got, want = list(islice(iter(new), 4)), list(islice(iter(fresh), 4))
+        assert [(b["source"].tolist(), b["index"].tolist()) for b in got] == \
+            [(b["source"].tolist(), b["index"].tolist()) for b in want]
+        with pytest.raises(LoaderStateError) as err:
+            alone.load_state_dict(saved)
+        assert _way(1) in str(err.value), err.value
+        assert (alone.next_epoch_state(saved)["epoch"], alone.next_epoch_state(saved)["consumed"]) == (1, 0)
+    new.close()
+
+
+class _OwnLoader(StateHolder):
+    """A loader of the app's own: a position that checks its state, with no next_epoch_state."""
+
+    def check_state_dict(self, state):
+        return state
+
+
+@pytest.mark.parametrize("consumed,start", [(0, 3), (8, 4)])
+def test_a_loader_of_the_apps_own_at_an_epoch_boundary_restores_that_epoch(tmp_path, consumed, start):
+    """The Checkpointer's own move (an object with check_state_dict and no next_epoch_state) started epoch + 1 from
+    (3, 0) too: the same rule as the fastio Loader's."""
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(2, {"loader": StateHolder({"epoch": 3, "consumed": consumed})}, blocking=True)
+        own = _OwnLoader(None)
+        state = ckpt.restore_latest({"loader": own}, loader_policy="next-epoch")
+    assert own.state == {"epoch": start, "consumed": 0} and state.epoch == start

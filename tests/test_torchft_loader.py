@@ -537,12 +537,14 @@ def test_failures_in_a_row_and_at_an_epoch_boundary_retake_the_step_bit_for_bit(
         assert all(torch.equal(b[k], want[b["step"]][k]) for k in ("index", "image", "label")), b["step"]
 
 
-def test_a_next_epoch_restore_is_refused_naming_the_first_step_of_that_epoch(house, image_dataset, tmp_path):
+@pytest.mark.parametrize("saved", [3, 8])  # mid-epoch 0; at the boundary (1, 0): nothing of epoch 1 delivered
+def test_a_next_epoch_restore_is_refused_naming_the_first_step_of_that_epoch(house, image_dataset, tmp_path, saved):
     """loader_policy="next-epoch" moves a Loader's state to the next epoch, but with replicas= the position is the
     Manager's step: the restore said epoch 1 and the Loader went on at step 3 of epoch 0. It is refused before
-    anything loads, naming the step that starts epoch 1 (8 global batches of 6 an epoch)."""
+    anything loads, naming the step that starts epoch 1 (8 global batches of 6 an epoch). Saved at step 8, the
+    epoch boundary, it named step 16 (epoch 2): epoch 1 would never have been trained."""
     options = {"pipeline": fastio.Raw(), "batch_size": 6}
-    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", 3)
+    _checkpoint_at(house, image_dataset, options, tmp_path / "ck", saved)
     second = group_store()
     again = manager(second.port, house, 0)
     with _loader(image_dataset, options, again) as loader, fastio.Checkpointer(tmp_path / "ck", signals=()) as ck:

@@ -408,11 +408,12 @@ class Checkpointer:
         All or nothing: the loader's state (every app object with ``check_state_dict``, as the fastio Loader) is
         read and checked before anything is loaded, and loaded last; the app's own objects (neither torch modules
         and optimizers nor loaders) load first, so that one refusing its state leaves the rest as it was.
-        ``loader_policy="next-epoch"`` replaces the loader's state by the start of the epoch after the saved one
-        (everything else is restored as saved; an object with ``next_epoch_state``, as the fastio Loader, makes
-        that state itself): for a loader that cannot continue the saved epoch, such as a mixture whose weights
-        changed or a dataset converted again with more samples; ``TrainState.epoch`` is then the epoch the loader
-        starts (the saved one + 1).
+        ``loader_policy="next-epoch"`` replaces the loader's state by the start of the epoch after the saved one,
+        or of the saved one itself where nothing of it was delivered (saved at an epoch boundary, ``consumed`` 0:
+        :func:`fastio.checks.next_epoch_start`; everything else is restored as saved; an object with
+        ``next_epoch_state``, as the fastio Loader, makes that state itself): for a loader that cannot continue the
+        saved position, such as a mixture whose weights changed or a dataset converted again with more samples;
+        ``TrainState.epoch`` is then the epoch the loader starts.
         """
         self._refuse_if_closed()
         self._check_app(app)

@@ -46,6 +46,7 @@ from fastio.checkpoint.engines.strict import (
 from fastio.checkpoint.record import CommitRecord
 from fastio.checkpoint.rng import capture_rng, restore_rng
 from fastio.checkpoint.staging import Frozen
+from fastio.checks import next_epoch_start
 from fastio.errors import CheckpointError, FastioError
 from fastio.words import agree, count
 
@@ -66,7 +67,8 @@ RNG_KEY = "_fastio_rng"
 _CANNOT_WRITE = (errno.EROFS, errno.EACCES, errno.EPERM)
 """A directory this process may not write (a read-only mount, another user's)."""
 LOADER_POLICIES = ("exact", "next-epoch")
-"""``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the next epoch's start."""
+"""``restore_latest(loader_policy=)``: the loader continues where it was saved, or from the start of the next epoch
+not begun (:func:`fastio.checks.next_epoch_start`)."""
 
 
 @dataclass
@@ -113,8 +115,9 @@ def loader_keys(app: dict[str, Any]) -> list[str]:
 def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int, path: Path,
                       policy: str) -> dict[str, Any]:
     """The saved state of each of ``keys`` (saving rank ``src``'s), checked by its object before anything is
-    loaded; with ``policy="next-epoch"`` moved to the start of the epoch after the saved one (by the object's
-    ``next_epoch_state`` where it has one, as the fastio Loader: the data it reads may have changed since). An
+    loaded; with ``policy="next-epoch"`` moved to the start of an epoch: the saved one where nothing of it was
+    delivered, else the one after it (:func:`~fastio.checks.next_epoch_start`; by the object's ``next_epoch_state``
+    where it has one, as the fastio Loader: the data it reads may have changed since). An
     object with a ``check_restored_with(app, state)`` is asked first whether ``app`` restores what its position
     lies in (the fastio Loader of a torchft job: the Manager)."""
     held: dict[str, Any] = {}
@@ -126,7 +129,7 @@ def check_state_dicts(saved: Any, app: dict[str, Any], keys: list[str], src: int
             if not isinstance(state, dict) or loader_epoch({key: state}) is None:
                 raise CheckpointError(f"{path}: app key {key!r}: loader_policy='next-epoch' needs a loader state "
                                       "with integer 'epoch' and 'consumed'")
-            state = {**state, "epoch": int(state["epoch"]) + 1, "consumed": 0}
+            state = {**state, "epoch": next_epoch_start(int(state["epoch"]), int(state["consumed"])), "consumed": 0}
         try:
             if callable(move):
                 state = move(state)
@@ -252,12 +255,19 @@ def _load_loaders(path: Path, opened: _Opened, app: dict[str, Any]) -> None:
         raise CheckpointError(f"{path}: restore failed: app key {key!r}: {first_line(err)}") from err
 
 
-def _train_state(path: Path, commit: CommitRecord, loader_policy: str, skipped: list[str]) -> TrainState:
-    """What the restore hands back: the marker's step and progress (the epoch the loader now starts)."""
+def _train_state(path: Path, commit: CommitRecord, loader_policy: str, skipped: list[str],
+                 loaders: dict[str, Any]) -> TrainState:
+    """What the restore hands back: the marker's step and progress; after a next-epoch restore the epoch is the one
+    the loader now starts (``loaders``: the loaders' states as loaded, the first with an ``epoch`` in app order
+    counts, as at save)."""
     p = commit.progress
     epoch = p.epoch
-    if loader_policy == "next-epoch" and epoch >= 0:
-        epoch += 1  # where the loader now starts
+    if loader_policy == "next-epoch":
+        moved = loader_epoch(loaders)  # where the loader now starts
+        if moved is not None:
+            epoch = moved
+        elif epoch >= 0:  # a loader state of no known epoch: the saved epoch's next, as before
+            epoch += 1
     return TrainState(step=commit.step, epoch=None if epoch < 0 else int(epoch), metrics=dict(p.metrics),
                       elapsed=p.elapsed, time=commit.time, hparams=dict(p.hparams), path=path, skipped=skipped)
 
@@ -547,4 +557,4 @@ class Restorer:
             restore_rng(targets[RNG_KEY].state)
         else:
             log.warning("fastio: %s holds no RNG state for rank %d; RNG not restored", path, self.rank)
-        return _train_state(path, commit, loader_policy, skipped)
+        return _train_state(path, commit, loader_policy, skipped, opened.held)

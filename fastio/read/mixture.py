@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from fastio.checks import integer, switch_option, two_differing
+from fastio.checks import integer, next_epoch_start, switch_option, two_differing
 from fastio.dataset.dataset import Dataset
 from fastio.errors import DatasetError, LoaderStateError, MixtureError
 from fastio.formats.image_text import is_image_text
@@ -264,11 +264,11 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
     if saved is None:
         raise LoaderStateError(f"{mixture.root}: loader state is of one dataset (no 'mixture' entry), this Loader reads "
                                "a mixture (a source added since?): the saved position names samples of that dataset; "
-                               f"start the next epoch in this mixture's order {next_epoch_way(epoch)}")
+                               f"start the next epoch in this mixture's order {next_epoch_way(epoch, consumed)}")
     if not _complete(saved):
         raise LoaderStateError(f"{mixture.root}: loader state is not a mixture's (no complete 'mixture' entry)")
     samples = _check_entry(mixture, saved)
-    _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]), epoch)
+    _check_sources(mixture, list(saved["names"]), list(saved["fingerprints"]), epoch, consumed)
     old = _saved_phases(mixture, saved)
     if samples == mixture.samples_per_epoch and _same_phases(old, mixture.phases):
         return
@@ -281,7 +281,7 @@ def check_mixture_state(mixture: Mixture, saved: Any, epoch: int, consumed: int)
         raise LoaderStateError(
             f"{mixture.root}: loader state has samples_per_epoch {samples}, this mixture "
             f"{mixture.samples_per_epoch}: a schedule's positions count samples across epochs of that length, "
-            f"so it cannot change under a schedule; start the next epoch with it {next_epoch_way(epoch)}")
+            f"so it cannot change under a schedule; start the next epoch with it {next_epoch_way(epoch, consumed)}")
     _check_past(mixture, old, epoch * samples + consumed, epoch, consumed)
 
 
@@ -306,18 +306,18 @@ def _check_entry(mixture: Mixture, saved: dict) -> int:
     return samples
 
 
-def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int) -> None:
+def _check_sources(mixture: Mixture, names: list, fps: list, epoch: int, consumed: int) -> None:
     if names != list(mixture.names):
         raise LoaderStateError(f"{mixture.root}: loader state is for sources {names}, this mixture has "
                                f"{list(mixture.names)} (a source added, removed, renamed or moved): the saved "
                                f"position names samples of that mixture; start the next epoch in this mixture's order "
-                               f"{next_epoch_way(epoch)}")
+                               f"{next_epoch_way(epoch, consumed)}")
     for name, old, new in zip(names, fps, mixture.fingerprints):
         if old != new:
             raise LoaderStateError(f"{mixture.root}: source {name!r} is dataset fingerprint {new}, the loader "
                                    f"state was saved with {old} (another dataset, or this one converted again): "
                                    f"the saved position names samples of that one; start the next epoch "
-                                   f"{next_epoch_way(epoch)}")
+                                   f"{next_epoch_way(epoch, consumed)}")
 
 
 def _saved_phases(mixture: Mixture, saved: dict) -> list[tuple[int, tuple[float, ...]]]:
@@ -396,7 +396,7 @@ def _check_past(mixture: Mixture, old: Sequence, position: int, epoch: int, cons
                 f"{count(consumed, 'sample')} in), and this mixture's schedule changes what came before it: entry {i} was "
                 f"{_describe_entry(mixture.names, a)} and is {_describe_entry(mixture.names, b)}; entries before "
                 f"position {position} must stay as saved (entries from {position} on may change); or start the next "
-                f"epoch with this schedule {next_epoch_way(epoch)}")
+                f"epoch with this schedule {next_epoch_way(epoch, consumed)}")
 
 
 def _check_weight_change(mixture: Mixture, weights: Sequence[float], samples: int, epoch: int, consumed: int) -> None:
@@ -416,14 +416,18 @@ def _check_weight_change(mixture: Mixture, weights: Sequence[float], samples: in
         f"{mixture.root}: loader state is {count(consumed, 'sample')} into mixture epoch {epoch} with weights {old} and "
         f"samples_per_epoch {samples}; this mixture has weights {new} and samples_per_epoch "
         f"{mixture.samples_per_epoch}, which order that epoch differently: weights can change only from the next "
-        f"epoch: continue from the start of epoch {epoch + 1} {next_epoch_way(epoch)}{schedule}")
+        f"epoch: continue from the start of epoch {next_epoch_start(epoch, consumed)} "
+        f"{next_epoch_way(epoch, consumed)}{schedule}")
 
 
-def next_epoch_way(epoch: int) -> str:
-    """How a loader state saved in ``epoch`` is left for the start of the next epoch, for the messages of a state
-    that cannot continue its own epoch."""
+def next_epoch_way(epoch: int, consumed: int | None = None) -> str:
+    """How a loader state saved at ``(epoch, consumed)`` is left for the start of an epoch, for the messages of a
+    state that cannot continue its position: the epoch :func:`~fastio.checks.next_epoch_start` names (``epoch``
+    itself where nothing of it was delivered, else the next); ``consumed`` left out: some of it was (a refusal
+    only a mid-epoch state meets)."""
+    start = next_epoch_start(epoch, 1 if consumed is None else consumed)
     return (f"(a Checkpointer: restore_latest(..., loader_policy='next-epoch'); a Loader alone: "
-            f"loader.set_epoch({epoch + 1}) instead of load_state_dict)")
+            f"loader.set_epoch({start}) instead of load_state_dict)")
 
 
 def renewed_mixture_state(mixture: Mixture, saved: Any) -> Any:

@@ -262,8 +262,8 @@ class DatasetReadSet(ReadSet):
             names = ", ".join(map(repr, saved.get("names", []))) if isinstance(saved, dict) else ""
             raise LoaderStateError(f"{self.root}: loader state is of a mixture (sources {names}), this "
                                    "Loader reads one dataset: make it with the same fastio.Mixture to continue the "
-                                   f"saved epoch, or start the next epoch on this dataset {next_epoch_way(epoch)}")
-        check_dataset_masks(self.target, state, next_epoch_way(epoch))
+                                   f"saved epoch, or start the next epoch on this dataset {next_epoch_way(epoch, consumed)}")
+        check_dataset_masks(self.target, state, next_epoch_way(epoch, consumed))
 
     def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
         if state.get(K_MIXTURE) is None:
@@ -334,7 +334,7 @@ class MixtureReadSet(ReadSet):
 
     def check_state(self, state: dict[str, Any], epoch: int, consumed: int) -> None:
         check_mixture_state(self.target, state.get(K_MIXTURE), epoch, consumed)
-        check_mixture_masks(self.root, self.names, self.target.datasets, state, next_epoch_way(epoch))
+        check_mixture_masks(self.root, self.names, self.target.datasets, state, next_epoch_way(epoch, consumed))
 
     def renewed_state(self, state: dict[str, Any]) -> dict[str, Any]:
         renewed = mixture_masks(self.names, self.target.datasets)

@@ -177,12 +177,12 @@ class TorchftReplicas:
                 "Manager into the Checkpointer's app state)")
 
     def refuse_next_epoch(self, epoch: int, batches_per_epoch: int) -> None:
-        """LoaderStateError: a state moved to the next epoch (``loader_policy="next-epoch"``) cannot move the
-        position, which is the Manager's step; names the step that starts that epoch."""
+        """LoaderStateError: a state moved to the start of ``epoch`` (``loader_policy="next-epoch"``) cannot move
+        the position, which is the Manager's step; names the step that starts that epoch."""
         raise LoaderStateError(f"loader_policy='next-epoch' with replicas=: the position is the torchft Manager's "
                                "step, not the Loader's state; restore with loader_policy='exact', or without the "
-                               f"Loader's key and with the Manager at step {(epoch + 1) * batches_per_epoch} (the "
-                               f"first of epoch {epoch + 1})")
+                               f"Loader's key and with the Manager at step {epoch * batches_per_epoch} (the "
+                               f"first of epoch {epoch})")
 
     def _check_position(self, epoch: int, consumed: int, batch_size: int, batches_per_epoch: int) -> None:
         """LoaderStateError unless ``(epoch, consumed)`` (a state saved without replicas=) is where the Manager's
