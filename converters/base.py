@@ -99,6 +99,11 @@ class ScanResult:
     """How labels were made (a key of :data:`fastio.formats.labels.LABEL_RULES`); None: no labels."""
     renamed: list[tuple[str, str, str]] = field(default_factory=list)
     """Inputs whose key another input had taken first (:class:`Keys`): ``(origin, key given, origin of the first)``."""
+    splits: dict[str, list[int]] | None = None
+    """The source's own splits (an image folder already split, ``images/train/``, ``images/val/``): each split's
+    entry indices, in scan order; None: the source is one dataset."""
+    notes: list[str] = field(default_factory=list)
+    """What the conversion's summary line says of the source besides its counts (``val has no 'cat'``)."""
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from fastio.converters.base import (
 )
 from fastio.formats.media import media_field_for_suffix
 
-__all__ = ["NAME", "SPLIT_NAMES", "detect", "scan", "splits", "strays"]
+__all__ = ["NAME", "SPLIT_NAMES", "detect", "scan", "scan_splits", "splits", "strays"]
 
 NAME = "imagefolder"
 
@@ -93,38 +93,79 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
     source = Path(source)
     files, skipped = walk_files(source)
     refused = {s.path for s in skipped}
-    classes = [d.name for d in _visible_dirs(source) if d.name not in refused]
-    label_map = {name: i for i, name in enumerate(classes)}
+    label_map = {name: i for i, name in enumerate(d.name for d in _visible_dirs(source) if d.name not in refused)}
+    entries, renamed = _entries(source, files, label_map, skipped, "")
+    return _result(source, entries, label_map, skipped, renamed, {})
+
+
+def scan_splits(source: Path, names: list[str], options: ScanOptions) -> ScanResult:
+    """A dataset already split (:func:`splits`): ``source/<split>/<class>/<file>``, each split's entries keyed as its
+    own scan would key them, labelled from ONE class list, the sorted union of every split's class folders, so that
+    label k is the same class in every split. :attr:`ScanResult.splits` holds each split's entry indices;
+    :attr:`ScanResult.notes` says which split lacks which class (``val has no 'cat'``)."""
+    source = Path(source)
+    walked, skipped = {}, []
+    for name in names:
+        files, refused = walk_files(source / name)
+        walked[name] = (files, {s.path for s in refused})
+        skipped += [Skip(f"{name}/{s.path}", s.reason, s.error) for s in refused]
+    held = {name: [d.name for d in _visible_dirs(source / name) if d.name not in walked[name][1]] for name in names}
+    label_map = {c: i for i, c in enumerate(sorted({c for classes in held.values() for c in classes}))}
+    entries, splits, renamed, notes = [], {}, [], []
+    for name in names:
+        found, more = _entries(source / name, walked[name][0], {c: label_map[c] for c in held[name]}, skipped,
+                               f"{name}/")
+        splits[name] = list(range(len(entries), len(entries) + len(found)))
+        entries += found
+        renamed += more
+        notes += [f"{name} has no {c!r}" for c in label_map if c not in held[name]]
+    skipped += [Skip(p.name, "not inside a split folder") for p in sorted(source.iterdir())
+                if p.is_file() and not p.name.startswith(".")]
+    result = _result(source, entries, label_map, skipped, renamed, {"splits": list(names)})
+    result.splits, result.notes = splits, notes
+    return result
+
+
+def _entries(root: Path, files: list[Path], label_map: dict[str, int], skipped: list[Skip], prefix: str
+             ) -> tuple[list[Entry], list[tuple[str, str, str]]]:
+    """The entries of the class folders ``label_map`` names below ``root`` (their keys unique among themselves),
+    and the inputs renamed; adds what is no sample to ``skipped``, its path led by ``prefix`` (a split's
+    ``val/``), as are the entries' origins."""
     entries: list[Entry] = []
     keys = Keys()
     for path in files:
-        relpath = rel(path, source)
+        relpath = rel(path, root)
         name = relpath.split("/", 1)[0]
         if name not in label_map:
-            skipped.append(Skip(relpath, "not inside a class folder"))
+            skipped.append(Skip(prefix + relpath, "not inside a class folder"))
             continue
         field = _field(path.suffix)
         if field is None:
-            skipped.append(Skip(relpath, f"not an image, video or audio file (suffix {path.suffix or 'none'!r})"))
+            skipped.append(Skip(prefix + relpath,
+                                f"not an image, video or audio file (suffix {path.suffix or 'none'!r})"))
             continue
-        key = keys.key(relpath[: len(relpath) - len(path.suffix)], relpath)
+        key = keys.key(relpath[: len(relpath) - len(path.suffix)], prefix + relpath)
         entries.append(Entry(
             key=key,
             fields=((field, FileRef(str(path))), ("cls", str(label_map[name]).encode())),
-            origin=relpath,
+            origin=prefix + relpath,
         ))
-    held = {e.origin.split("/", 1)[0] for e in entries}
-    skipped += [Skip(name, f"a class folder with no image, video or audio file: label {label} has no samples")
+    held = {e.origin[len(prefix):].split("/", 1)[0] for e in entries}
+    skipped += [Skip(prefix + name, f"a class folder with no image, video or audio file: label {label} has no samples")
                 for name, label in label_map.items() if name not in held]
+    return entries, keys.renamed
+
+
+def _result(source: Path, entries: list[Entry], label_map: dict[str, int], skipped: list[Skip],
+            renamed: list[tuple[str, str, str]], options: dict) -> ScanResult:
     skipped.sort(key=lambda s: s.path)
     return ScanResult(
         entries=entries,
-        description={"format": NAME, "path": str(source.resolve()), "options": {}},
+        description={"format": NAME, "path": str(source.resolve()), "options": options},
         label_map=label_map,
         skipped=skipped,
         image_field=main_image_field(entries),
         label_field="cls",
         label_rule="names",
-        renamed=keys.renamed,
+        renamed=renamed,
     )
-

@@ -497,3 +497,45 @@ def test_a_file_name_with_a_newline_stays_on_its_line(tmp_path, image_folder, ca
     assert code == 0 and len(out.splitlines()) == 2 and "circle/evil\\nfastio: error: fake.jpg: not a" in out
     code, out, err = run_cli(["convert", str(image_folder), str(tmp_path / "ds2"), "--on-error", "fail"], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "circle/evil\\nfastio: error: fake.jpg" in err
+
+
+def _labels_by_class(ds: Dataset) -> dict[str, set[int]]:
+    """The ``cls`` values stored for each sample's class folder (its key's first part), read from the tars."""
+    import tarfile
+
+    got: dict[str, set[int]] = {}
+    for shard in ds.shards:
+        with tarfile.open(shard.path) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".cls"):
+                    got.setdefault(member.name.split("/", 1)[0], set()).add(int(tar.extractfile(member).read()))
+    return got
+
+
+def test_a_folder_already_split_converts_every_split_with_one_class_list(tmp_path, capsys):
+    """images/train/<class>/ and images/val/<class>/ (ImageNet's layout) were refused, and converting each split
+    by itself numbered its labels by its own classes: a val lacking one of train's classes had label k name another
+    class than in train, silently. One conversion now writes DEST/train and DEST/val (and splits.json) with the
+    sorted union of the class folders as the one class list, and says which split lacks which class."""
+    src = tmp_path / "images"
+    make_imagefolder(src / "train", classes=4, per_class=3)
+    make_imagefolder(src / "val", classes=4, per_class=2)
+    for image in (src / "val" / "circle").iterdir():  # val lacks the first class: separately, its labels shift
+        image.unlink()
+    (src / "val" / "circle").rmdir()
+    code = main(["convert", str(src), str(tmp_path / "ds"), "--workers", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    train, val = Dataset(tmp_path / "ds" / "train"), Dataset(tmp_path / "ds" / "val")
+    classes = {"circle": 0, "hstripes": 1, "square": 2, "vstripes": 3}
+    assert train.label_map == val.label_map == classes
+    assert (len(train), len(val)) == (12, 6)
+    assert _labels_by_class(train) == {name: {k} for name, k in classes.items()}
+    assert _labels_by_class(val) == {name: {k} for name, k in classes.items() if name != "circle"}
+    assert json.loads((tmp_path / "ds" / "splits.json").read_text())["splits"].keys() == {"train", "val"}
+    assert "[train: 12, val: 6]" in out.out and "val has no 'circle'" in out.out.splitlines()[0]
+    assert verify(tmp_path / "ds").ok
+    assert main(["convert", str(src), str(tmp_path / "again"), "--split", "val=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastio: error: {src}: already split into train, val") and "--split" in err
+    assert err.count("\n") == 1 and not (tmp_path / "again" / "train").exists()

@@ -54,7 +54,10 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.argument("source")
 @click.argument("dest")
 @click.option("--format", "fmt", metavar="FORMAT", default=None,
-              help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE).")
+              help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE; a detected image "
+                   "folder already split, SOURCE/train/<class>/ and SOURCE/val/<class>/, is written as DEST/train "
+                   "and DEST/val with one class list; --format imagefolder reads it as one dataset labelled by "
+                   "its split folders).")
 @click.option("--shard-size", default="256MB", show_default=True,
               help="Largest shard size: bytes or human units (256MB, 1GiB, 500k).")
 @click.option("--max-samples-per-shard", type=int, default=None, help="At most this many samples per shard.")

@@ -177,7 +177,9 @@ class ConvertConfig:
     seed: int = 0
     """Seed for ``shuffle`` and ``split``."""
     split: dict[str, float] | str | None = None
-    """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset."""
+    """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset. Refused
+    for an image folder already split (``images/train/<class>/``, ``images/val/<class>/``), whose own splits are
+    written so (:func:`fastio.converters.scan`)."""
     split_by: str | None = checked(one_of(SPLIT_BY, " (or None)"), default=None)
     """How ``split`` is drawn (:mod:`fastio.convert.split`): ``label`` (each split takes its fraction of every class)
     or ``random``; None: ``label`` when the source has labels, else ``random``. Recorded as the manifests'
@@ -282,7 +284,8 @@ class ConvertConfig:
 
 @dataclass
 class ConvertResult:
-    """What a conversion wrote: one manifest per dataset (key ``""`` without ``split``, else split names)."""
+    """What a conversion wrote: one manifest per dataset (key ``""`` for one dataset, else split names: ``split``'s,
+    or those of a source already split)."""
 
     dest: Path
     format: str
@@ -298,6 +301,9 @@ class ConvertResult:
     transcoded: dict[str, dict[str, int]] = field(default_factory=dict)
     """Files stored transcoded (``transcode``): per field they went into (``flac``, ``webm``), how many from each
     codec (``{"flac": {"mp3float": 6}}``)."""
+    notes: list[str] = field(default_factory=list)
+    """What the summary line says of the source besides the counts: a split of a source already split that lacks a
+    class of the others (``val has no 'cat'``; :attr:`fastio.converters.ScanResult.notes`)."""
 
     @property
     def samples(self) -> int:
@@ -326,6 +332,7 @@ class ConvertResult:
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"
         labels = f"; labels: {rule}" if rule else self._unlabelled()
+        labels += "".join(f"; {note}" for note in self.notes)
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{self._trained()}{renamed_line(self.renamed)}"
@@ -514,10 +521,20 @@ def _label_keys(scan) -> list[bytes]:
     return out
 
 
+def _split_text(split: dict[str, float]) -> str:
+    return ",".join(f"{name}={frac:g}" for name, frac in split.items())
+
+
 def _assign(scan, config: ConvertConfig) -> dict[str, list[int]]:
-    """Entry indices per output dataset, in writing order."""
+    """Entry indices per output dataset, in writing order: the source's own splits (an image folder already split),
+    ``split``'s, or one dataset (key ``""``)."""
     n = len(scan.entries)
-    if not config.split:
+    if scan.splits is not None:
+        if config.split:
+            raise ConvertError(f"{config.source}: already split into {', '.join(scan.splits)} (each converted into "
+                               f"its DEST/<split>): leave out split={_split_text(config.split)!r}")
+        groups = {name: list(indices) for name, indices in scan.splits.items()}
+    elif not config.split:
         groups = {"": list(range(n))}
     else:
         labels = _label_keys(scan) if _split_by(config, scan) == "label" else None
@@ -680,11 +697,11 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
                           scan_skipped=scan_skipped, **extra)))
     transcoded: dict[str, dict[str, int]] = {}
     manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, transcoded)
-    if config.split:
+    if "" not in manifests:
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in,
-                         renamed=scan.renamed, transcoded=transcoded)
+                         renamed=scan.renamed, transcoded=transcoded, notes=scan.notes)
 
 
 def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
@@ -717,7 +734,7 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         write_part_record(directory, PartRecord(part=k, of=n, plan=plan, datasets=ranges))
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
-                         renamed=scan.renamed, transcoded=transcoded)
+                         renamed=scan.renamed, transcoded=transcoded, notes=scan.notes)
 
 
 def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcoded: dict[str, dict[str, int]],
