@@ -15,7 +15,7 @@ from fastio.formats.media import is_video_field, media_field_for_suffix
 from fastio.words import agree, count
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
-           "refuse_table_options", "scan"]
+           "refuse_classes", "refuse_table_options", "scan"]
 
 FORMATS = ("imagefolder", "csv", "jsonl", "parquet", "files")
 TABLE_FORMATS = ("csv", "jsonl", "parquet")
@@ -96,6 +96,7 @@ def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = Non
     if want_dir != source.is_dir():
         raise ConvertError(f"{source}: format {fmt} needs a {'directory' if want_dir else 'file'}")
     refuse_table_options(fmt, options)
+    refuse_classes(fmt, options)
     try:
         if fmt == "imagefolder":
             result = imagefolder.scan_splits(source, split, options) if split else imagefolder.scan(source, options)
@@ -127,3 +128,11 @@ def refuse_table_options(kind: str, options: ScanOptions) -> None:
         name, value = given[0]
         raise ConvertError(f"{name}={str(value)!r}: an option of a table source ({', '.join(TABLE_FORMATS)}), "
                            f"not of {kind}")
+
+
+def refuse_classes(kind: str, options: ScanOptions) -> None:
+    """ConvertError when a class list (``classes_from``) was given for a source of ``kind`` that is no image folder:
+    its converter would ignore it."""
+    if options.classes is not None and kind != imagefolder.NAME:
+        raise ConvertError(f"classes_from={options.classes.origin!r}: an option of an image folder source, not of "
+                           f"{kind}")

@@ -20,6 +20,7 @@ from fastio.formats.media import sniff_media_field
 from fastio.formats.wds import safe_field_name, sanitize_key
 
 __all__ = [
+    "ClassList",
     "Entry",
     "Keys",
     "FieldValue",
@@ -107,6 +108,16 @@ class ScanResult:
 
 
 @dataclass(frozen=True)
+class ClassList:
+    """The class names an image folder is labelled by, label k the k-th: another dataset's (``classes_from``), so
+    that a split converted apart numbers its classes as that dataset does."""
+
+    names: tuple[str, ...]
+    origin: str
+    """The dataset they were read from (named in messages)."""
+
+
+@dataclass(frozen=True)
 class ScanOptions:
     """Format options a user may give: the table options; given for a source that is no table, they are refused
     (:func:`fastio.converters.refuse_table_options`)."""
@@ -125,6 +136,9 @@ class ScanOptions:
     """Tables: the folder relative paths of the path column start from and every path must resolve into
     (symlinks followed); a path resolving elsewhere (``../``, ``/etc/...``) is skipped and listed.
     None: the table's own folder."""
+    classes: ClassList | None = None
+    """Image folders: the class list to label by (label k the k-th name) in place of the sorted class folders; a
+    class folder it does not name is refused. None: the source's own."""
 
 
 def main_image_field(entries: list[Entry]) -> str | None:

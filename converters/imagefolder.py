@@ -14,6 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastio.converters.base import (
+    ClassList,
     Entry,
     FileRef,
     Keys,
@@ -25,6 +26,7 @@ from fastio.converters.base import (
     rel,
     walk_files,
 )
+from fastio.errors import ConvertError
 from fastio.formats.media import media_field_for_suffix
 
 __all__ = ["NAME", "SPLIT_NAMES", "detect", "scan", "scan_splits", "splits", "strays"]
@@ -93,7 +95,7 @@ def scan(source: Path, options: ScanOptions) -> ScanResult:
     source = Path(source)
     files, skipped = walk_files(source)
     refused = {s.path for s in skipped}
-    label_map = {name: i for i, name in enumerate(d.name for d in _visible_dirs(source) if d.name not in refused)}
+    label_map = _label_map([d for d in _visible_dirs(source) if d.name not in refused], options.classes)
     entries, renamed = _entries(source, files, label_map, skipped, "")
     return _result(source, entries, label_map, skipped, renamed, {})
 
@@ -110,7 +112,7 @@ def scan_splits(source: Path, names: list[str], options: ScanOptions) -> ScanRes
         walked[name] = (files, {s.path for s in refused})
         skipped += [Skip(f"{name}/{s.path}", s.reason, s.error) for s in refused]
     held = {name: [d.name for d in _visible_dirs(source / name) if d.name not in walked[name][1]] for name in names}
-    label_map = {c: i for i, c in enumerate(sorted({c for classes in held.values() for c in classes}))}
+    label_map = _label_map([source / name / c for name in names for c in held[name]], options.classes)
     entries, splits, renamed, notes = [], {}, [], []
     for name in names:
         found, more = _entries(source / name, walked[name][0], {c: label_map[c] for c in held[name]}, skipped,
@@ -124,6 +126,20 @@ def scan_splits(source: Path, names: list[str], options: ScanOptions) -> ScanRes
     result = _result(source, entries, label_map, skipped, renamed, {"splits": list(names)})
     result.splits, result.notes = splits, notes
     return result
+
+
+def _label_map(folders: list[Path], classes: ClassList | None) -> dict[str, int]:
+    """Label by class name: the sorted names of ``folders`` (class folders), or ``classes``' list, which must name
+    every one of them (else a ConvertError naming the first it does not)."""
+    if classes is None:
+        return {name: i for i, name in enumerate(sorted({d.name for d in folders}))}
+    for folder in folders:
+        if folder.name not in classes.names:
+            n = len(classes.names)
+            shown = ", ".join(classes.names[:8]) + (", ..." if n > 8 else "")
+            raise ConvertError(f"{folder}: a class folder not in the class list of classes_from={classes.origin!r} "
+                               f"({n} classes: {shown})")
+    return {name: i for i, name in enumerate(classes.names)}
 
 
 def _entries(root: Path, files: list[Path], label_map: dict[str, int], skipped: list[Skip], prefix: str

@@ -539,3 +539,42 @@ def test_a_folder_already_split_converts_every_split_with_one_class_list(tmp_pat
     err = capsys.readouterr().err
     assert err.startswith(f"fastio: error: {src}: already split into train, val") and "--split" in err
     assert err.count("\n") == 1 and not (tmp_path / "again" / "train").exists()
+
+
+def test_classes_from_numbers_a_split_converted_apart_as_the_other(tmp_path, capsys):
+    """Converting val/ apart from train/ numbered its labels by val's own class folders: a val lacking one of
+    train's classes had label k name another class. --classes-from DATASET labels by that dataset's class list
+    (its manifest's label_map); a class folder it does not list is refused in one line, as is a dataset without
+    class names and an option for a source that is no image folder."""
+    make_imagefolder(tmp_path / "train", classes=4, per_class=2)
+    make_imagefolder(tmp_path / "val", classes=4, per_class=1)
+    for image in (tmp_path / "val" / "circle").iterdir():
+        image.unlink()
+    (tmp_path / "val" / "circle").rmdir()
+    assert main(["convert", str(tmp_path / "train"), str(tmp_path / "ds_train"), "--workers", "1", "-q"]) == 0
+    assert main(["convert", str(tmp_path / "val"), str(tmp_path / "ds_val"), "--workers", "1", "-q",
+                 "--classes-from", str(tmp_path / "ds_train")]) == 0
+    train, val = Dataset(tmp_path / "ds_train"), Dataset(tmp_path / "ds_val")
+    assert val.label_map == train.label_map == {"circle": 0, "hstripes": 1, "square": 2, "vstripes": 3}
+    assert _labels_by_class(val) == {"hstripes": {1}, "square": {2}, "vstripes": {3}}
+    assert val.manifest.convert_options["classes_from"] == str(tmp_path / "ds_train")
+    capsys.readouterr()
+
+    make_imagefolder(tmp_path / "more", classes=5, per_class=1)
+    assert main(["convert", str(tmp_path / "more"), str(tmp_path / "ds_more"), "--classes-from",
+                 str(tmp_path / "ds_train")]) == 2
+    assert capsys.readouterr().err == (f"fastio: error: {tmp_path / 'more'}/circle2: a class folder not in the class "
+                                       f"list of --classes-from {tmp_path / 'ds_train'} (4 classes: circle, hstripes, "
+                                       "square, vstripes)\n")
+    assert not (tmp_path / "ds_more").exists()
+    assert main(["convert", str(tmp_path / "val"), str(tmp_path / "x"), "--classes-from", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"fastio: error: --classes-from: {tmp_path}")
+    assert main(["convert", str(tmp_path / "train"), str(tmp_path / "split"), "--split", "val=0.25", "-q"]) == 0
+    assert main(["convert", str(tmp_path / "val"), str(tmp_path / "x"), "--classes-from", str(tmp_path / "split")]) == 2
+    assert capsys.readouterr().err == (f"fastio: error: --classes-from: {tmp_path / 'split'}: holds the splits train, "
+                                       f"val: give one of them, {tmp_path / 'split' / 'train'}\n")
+    (tmp_path / "t.csv").write_text("path,label\ntrain/circle/circle_0000.jpg,circle\n")
+    assert main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "y"), "--classes-from",
+                 str(tmp_path / "ds_train")]) == 2
+    assert capsys.readouterr().err == (f"fastio: error: --classes-from {tmp_path / 'ds_train'}: an option of an "
+                                       "image folder source, not of csv\n")

@@ -50,10 +50,10 @@ from fastio.convert.parts import (
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
 from fastio.convert.workers import OrderedPool, start_server, workers_field
-from fastio.converters.base import FileRef, ScanOptions, ScanResult, UrlRef
-from fastio.dataset.manifest import Manifest, write_splits
+from fastio.converters.base import ClassList, FileRef, ScanOptions, ScanResult, UrlRef
+from fastio.dataset.manifest import Manifest, load_manifest, split_names, write_splits
 from fastio.dataset.shards import ShardWriter
-from fastio.errors import ConvertError, StorageError
+from fastio.errors import ConvertError, DatasetError, StorageError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, label_bytes
 from fastio.formats.media import (
@@ -84,6 +84,7 @@ __all__ = [
     "convert",
     "load_entry",
     "parse_size",
+    "class_list",
     "parse_split",
 ]
 
@@ -110,6 +111,25 @@ class SampleTally(Protocol):
 
 
 ON_ERROR = ("skip", "fail")
+
+
+def class_list(dataset: Path) -> ClassList:
+    """The class names of ``dataset`` (a converted dataset whose labels are class names), label k the k-th.
+    ValueError naming the parameter this reads, ``classes_from``, and the dataset."""
+    try:
+        splits = split_names(dataset)
+        if splits:
+            raise ValueError(f"classes_from: {dataset}: holds the splits {', '.join(splits)}: give one of them, "
+                             f"{dataset / splits[0]}")
+        manifest = load_manifest(dataset)
+    except DatasetError as err:
+        raise ValueError(f"classes_from: {err}") from None
+    names = sorted(manifest.label_map or {}, key=lambda name: manifest.label_map[name])
+    if manifest.label_rule != "names" or not names or [manifest.label_map[n] for n in names] != list(range(len(names))):
+        raise ValueError(f"classes_from: {dataset}: its labels are not class names numbered 0, 1, ... (label_rule "
+                         f"{manifest.label_rule!r}): give a dataset converted from an image folder or a table of "
+                         "class names")
+    return ClassList(tuple(names), str(dataset))
 
 
 def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
@@ -229,6 +249,12 @@ class ConvertConfig:
     table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected. An image-text
     JSONL (a local one): the folder its relative image paths start from, every one resolving into it (default:
     the JSONL's folder; one elsewhere is refused, naming its line)."""
+    classes_from: Path | None = None
+    """Image folders: a dataset whose class list (its manifest's ``label_map``) labels this source, label k naming
+    the same class as there: for a split converted apart from the others (``images/val`` after ``images/train``),
+    which by its own class folders would number a class another way when it lacks or adds one. A class folder the
+    list does not name is refused; recorded as ``convert_options.classes_from``. None: the sorted class folders."""
+    _classes: ClassList | None = field(default=None, init=False, repr=False)
     progress: bool = False
     """Draw a progress bar on stderr."""
     progress_every_s: float | None = checked(rule(lambda v: v > 0, "must be > 0 (or None)"), default=None)
@@ -269,6 +295,9 @@ class ConvertConfig:
         self.transcode = parse_transcode(self.transcode)
         if self.part is not None:
             self.part = parse_part(self.part)
+        if self.classes_from is not None:
+            self.classes_from = Path(self.classes_from)
+            self._classes = class_list(self.classes_from)
         check_fields(self, config_error)
 
     def output_options(self) -> dict[str, Any]:
@@ -279,6 +308,7 @@ class ConvertConfig:
                 "max_pixels": self.max_pixels,
                 **({"transcode": self.transcode} if self.transcode != DEFAULT_TRANSCODE else {}),
                 **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {}),
+                **({"classes_from": str(self.classes_from)} if self.classes_from is not None else {}),
                 **(self.extra_options or {})}
 
 
@@ -659,13 +689,15 @@ def _scan(config: ConvertConfig, scanner: Scanner | None = None):
     if config.workers > 1:
         start_server(load_entry, _init_worker, _WORKER_IMPORTS)
     options = ScanOptions(path_column=config.path_column, label_column=config.label_column,
-                          key_column=config.key_column, root=config.root, labels=config.labels)
+                          key_column=config.key_column, root=config.root, labels=config.labels,
+                          classes=config._classes)
     if scanner is None:
         scan = converters.scan(config.source, config.format, options)
     else:  # an image-text JSONL: its own scan, which takes no table option and no format
         if config.format is not None:
             raise ConvertError(f"format={config.format!r}: an image-text conversion reads its JSONL as it is")
         converters.refuse_table_options("image-text", dataclasses.replace(options, root=None))  # its images' root
+        converters.refuse_classes("image-text", options)
         scan = scanner(config.source)
     if config.on_error == "fail":
         bad = next((s for s in scan.skipped if s.error), None)
