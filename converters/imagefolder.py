@@ -29,7 +29,7 @@ from fastio.converters.base import (
 from fastio.errors import ConvertError
 from fastio.formats.media import media_field_for_suffix
 
-__all__ = ["NAME", "SPLIT_NAMES", "detect", "scan", "scan_splits", "splits", "strays"]
+__all__ = ["NAME", "SPLIT_NAMES", "detect", "loose_splits", "scan", "scan_splits", "splits", "strays"]
 
 NAME = "imagefolder"
 
@@ -65,13 +65,27 @@ def splits(source: Path) -> list[str]:
     """The folders of ``source`` that are splits of a dataset already split (``images/train/<class>/``,
     ``images/val/<class>/``): every visible folder is named as a split and holds a folder holding an image (video,
     audio); ``[]`` for any other folder, whose labels would not be split names."""
-    folders = _visible_dirs(source)
-    if not folders or any(d.name.lower() not in SPLIT_NAMES for d in folders):
+    folders = _split_folders(source)
+    if not folders or loose_splits(source):
         return []
     for split in folders:
         if not any(path.is_file() and _field(path.suffix) for sub in _visible_dirs(split) for path in sub.rglob("*")):
             return []
     return [d.name for d in folders]
+
+
+def _split_folders(source: Path) -> list[Path]:
+    """The visible folders of ``source`` when every one is named as a split (:data:`SPLIT_NAMES`), else ``[]``."""
+    folders = _visible_dirs(source)
+    return [] if any(d.name.lower() not in SPLIT_NAMES for d in folders) else folders
+
+
+def loose_splits(source: Path) -> list[str]:
+    """The split folders of ``source`` (every visible folder named as a split) that hold images (videos, audio)
+    outside class folders, as ImageNet's raw ``val/`` holds its images: no labels to give them (``[]`` for a
+    folder whose folders are not all named as splits)."""
+    return [d.name for d in _split_folders(source)
+            if any(p.is_file() and not p.name.startswith(".") and _field(p.suffix) for p in d.iterdir())]
 
 
 def strays(source: Path) -> list[str]:
