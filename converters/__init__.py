@@ -22,18 +22,18 @@ TABLE_FORMATS = ("csv", "jsonl", "parquet")
 """The formats whose rows the table options of :class:`ScanOptions` (columns, label rule, root) apply to."""
 
 
-def _refuse_loose_splits(source: Path) -> None:
-    """ConvertError for a folder of splits one of which holds images outside class folders
-    (:func:`imagefolder.loose_splits`: ImageNet's raw ``val/``): labelled by its folders, every label would be a
-    split's name."""
-    loose = imagefolder.loose_splits(source)
-    if loose:
+def _refuse_unsplit(source: Path) -> None:
+    """ConvertError for a folder of splits one of which is no split of class folders
+    (:func:`imagefolder.split_problems`: ImageNet's raw ``val/``, its images flat): labelled by its folders, every
+    label would be a split's name."""
+    problems = imagefolder.split_problems(source)
+    if problems:
         names = ", ".join(d.name for d in sorted(source.iterdir()) if d.is_dir() and not d.name.startswith("."))
-        raise ConvertError(f"{source}: already split ({names}), but {', '.join(loose)} "
-                           f"{agree(len(loose), 'holds', 'hold')} images outside class folders: no labels to give "
-                           "them; convert the splits with class folders, or those as loose files (format='files') or "
-                           "from a table naming their labels, or give format='imagefolder' to label by the split "
-                           "folders")
+        why = ", ".join(f"{name} {problem}" for name, problem in problems)
+        raise ConvertError(f"{source}: already split ({names}), but {why}: labelled by these folders, every label "
+                           "would be a split's name; convert the splits of class folders (the others moved aside), "
+                           "those of loose images as loose files (format='files') or from a table naming their "
+                           "labels, or give format='imagefolder' to label by the split folders")
 
 
 def detect(source: Path) -> str:
@@ -51,7 +51,7 @@ def detect(source: Path) -> str:
                 raise ConvertError(f"{source}: cannot tell the format: class folders of images, and a table beside "
                                    f"them ({', '.join(tables[:3])}): give the table as SOURCE ({source / tables[0]}) "
                                    "to convert its rows, or format='imagefolder' to label images by their folder")
-            _refuse_loose_splits(source)
+            _refuse_unsplit(source)
             return imagefolder.NAME
         stray = imagefolder.strays(source)
         if stray:

@@ -29,7 +29,7 @@ from fastio.converters.base import (
 from fastio.errors import ConvertError
 from fastio.formats.media import media_field_for_suffix
 
-__all__ = ["NAME", "SPLIT_NAMES", "detect", "loose_splits", "scan", "scan_splits", "splits", "strays"]
+__all__ = ["NAME", "SPLIT_NAMES", "detect", "scan", "scan_splits", "split_problems", "splits", "strays"]
 
 NAME = "imagefolder"
 
@@ -64,13 +64,10 @@ class folders of its own, is a dataset already split (:func:`splits`)."""
 def splits(source: Path) -> list[str]:
     """The folders of ``source`` that are splits of a dataset already split (``images/train/<class>/``,
     ``images/val/<class>/``): every visible folder is named as a split and holds a folder holding an image (video,
-    audio); ``[]`` for any other folder, whose labels would not be split names."""
+    audio), and none an image of its own (:func:`split_problems`); ``[]`` for any other folder."""
     folders = _split_folders(source)
-    if not folders or loose_splits(source):
+    if not folders or split_problems(source):
         return []
-    for split in folders:
-        if not any(path.is_file() and _field(path.suffix) for sub in _visible_dirs(split) for path in sub.rglob("*")):
-            return []
     return [d.name for d in folders]
 
 
@@ -80,12 +77,18 @@ def _split_folders(source: Path) -> list[Path]:
     return [] if any(d.name.lower() not in SPLIT_NAMES for d in folders) else folders
 
 
-def loose_splits(source: Path) -> list[str]:
-    """The split folders of ``source`` (every visible folder named as a split) that hold images (videos, audio)
-    outside class folders, as ImageNet's raw ``val/`` holds its images: no labels to give them (``[]`` for a
-    folder whose folders are not all named as splits)."""
-    return [d.name for d in _split_folders(source)
-            if any(p.is_file() and not p.name.startswith(".") and _field(p.suffix) for p in d.iterdir())]
+def split_problems(source: Path) -> list[tuple[str, str]]:
+    """The split folders of ``source`` (every visible folder named as a split) that are no split of class folders,
+    and why: one holding images (videos, audio) outside class folders, as ImageNet's raw ``val/`` holds its images
+    (no labels to give them), or one holding no class folder of images (an empty ``test/``). Labelled by its
+    folders, such a source would have every label a split's name. ``[]`` for any other folder."""
+    problems = []
+    for split in _split_folders(source):
+        if any(p.is_file() and not p.name.startswith(".") and _field(p.suffix) for p in split.iterdir()):
+            problems.append((split.name, "holds images outside class folders"))
+        elif not any(p.is_file() and _field(p.suffix) for sub in _visible_dirs(split) for p in sub.rglob("*")):
+            problems.append((split.name, "holds no class folder of images"))
+    return problems
 
 
 def strays(source: Path) -> list[str]:

@@ -442,9 +442,10 @@ def test_parquet_images_stored_by_path_only_are_refused_naming_the_path(tmp_path
 
 def test_a_split_folder_of_images_without_class_folders_is_not_labelled_by_its_split_name(tmp_path, capsys):
     """ImageNet's raw download has train/<class>/ but val/ holding its 50,000 images flat (their classes in a
-    separate file). Such a folder was not seen as already split (val holds no class folder), so detection read it
-    as one image folder with 2 classes, 'train' and 'val': every label a split's name, and nothing said. It is
-    refused now, naming the split without class folders; format='imagefolder' still labels by the folders."""
+    separate file); some have an empty test/. Such a folder was not seen as already split (val holds no class
+    folder), so detection read it as one image folder with classes 'test', 'train' and 'val': every label a split's
+    name, and nothing said. It is refused now, naming each split that is no split of class folders and why;
+    format='imagefolder' still labels by the folders."""
     from fastio.cli import main
     from fastio.convert.synthetic import make_imagefolder
 
@@ -454,13 +455,15 @@ def test_a_split_folder_of_images_without_class_folders_is_not_labelled_by_its_s
     (src / "val").mkdir()
     for image in (tmp_path / "flat" / "circle").iterdir():
         image.rename(src / "val" / image.name)
-    said = (f"{src}: already split (train, val), but val holds images outside class folders: no labels to give them; "
-            "convert the splits with class folders, or those as loose files (format='files') or from a table naming "
-            "their labels, or give format='imagefolder' to label by the split folders")
+    (src / "test").mkdir()  # and an empty test/, as some downloads have
+    said = (f"{src}: already split (test, train, val), but test holds no class folder of images, val holds images "
+            "outside class folders: labelled by these folders, every label would be a split's name; convert the "
+            "splits of class folders (the others moved aside), those of loose images as loose files (format='files') "
+            "or from a table naming their labels, or give format='imagefolder' to label by the split folders")
     with pytest.raises(ConvertError) as err:
         converters.scan(src)
     assert str(err.value) == said
     assert main(["convert", str(src), str(tmp_path / "ds")]) == 2
     told = said.replace("format='files'", "--format files").replace("format='imagefolder'", "--format imagefolder")
     assert capsys.readouterr().err == f"fastio: error: {told}\n"
-    assert converters.scan(src, "imagefolder").label_map == {"train": 0, "val": 1}
+    assert converters.scan(src, "imagefolder").label_map == {"test": 0, "train": 1, "val": 2}
