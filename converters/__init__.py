@@ -6,7 +6,6 @@ in a deterministic order, without having read any image.
 
 from __future__ import annotations
 
-import shlex
 from pathlib import Path
 
 from fastio.converters import files, imagefolder, parquet, table
@@ -16,24 +15,25 @@ from fastio.formats.media import is_video_field, media_field_for_suffix
 from fastio.words import agree, count
 
 __all__ = ["FORMATS", "TABLE_FORMATS", "Entry", "FileRef", "ScanOptions", "ScanResult", "Skip", "detect",
-           "refuse_table_options", "scan"]
+           "refuse_classes", "refuse_table_options", "scan"]
 
 FORMATS = ("imagefolder", "csv", "jsonl", "parquet", "files")
 TABLE_FORMATS = ("csv", "jsonl", "parquet")
 """The formats whose rows the table options of :class:`ScanOptions` (columns, label rule, root) apply to."""
 
 
-def _refuse_split(source: Path) -> None:
-    """ConvertError for an image folder already split (:func:`imagefolder.splits`): labelled by its folders, every
-    label would be a split's name. Names each split's command; ``format='imagefolder'`` labels by them anyway."""
-    names = imagefolder.splits(source)
-    if not names:
-        return
-    commands = " and ".join(f"`fastio convert {shlex.quote(str(source / n))} DEST/{n}`" for n in names)
-    holds = agree(len(names), "holds", "hold")
-    raise ConvertError(f"{source}: already split: {', '.join(names)} {holds} class folders, not images (as labels they "
-                       f"would be the split names): convert each split, {commands} (their class folders named alike, "
-                       "so that their labels agree), or give format='imagefolder' to label by these folders")
+def _refuse_unsplit(source: Path) -> None:
+    """ConvertError for a folder of splits one of which is no split of class folders
+    (:func:`imagefolder.split_problems`: ImageNet's raw ``val/``, its images flat): labelled by its folders, every
+    label would be a split's name."""
+    problems = imagefolder.split_problems(source)
+    if problems:
+        names = ", ".join(d.name for d in sorted(source.iterdir()) if d.is_dir() and not d.name.startswith("."))
+        why = ", ".join(f"{name} {problem}" for name, problem in problems)
+        raise ConvertError(f"{source}: already split ({names}), but {why}: labelled by these folders, every label "
+                           "would be a split's name; convert the splits of class folders (the others moved aside), "
+                           "those of loose images as loose files (format='files') or from a table naming their "
+                           "labels, or give format='imagefolder' to label by the split folders")
 
 
 def detect(source: Path) -> str:
@@ -51,7 +51,7 @@ def detect(source: Path) -> str:
                 raise ConvertError(f"{source}: cannot tell the format: class folders of images, and a table beside "
                                    f"them ({', '.join(tables[:3])}): give the table as SOURCE ({source / tables[0]}) "
                                    "to convert its rows, or format='imagefolder' to label images by their folder")
-            _refuse_split(source)
+            _refuse_unsplit(source)
             return imagefolder.NAME
         stray = imagefolder.strays(source)
         if stray:
@@ -94,21 +94,27 @@ def _media_file(source: Path) -> tuple[str, str] | None:
 
 
 def scan(source: Path, fmt: str | None = None, options: ScanOptions | None = None) -> ScanResult:
-    """Scan ``source`` as ``fmt`` (detected when None). Raises ConvertError for bad or empty input."""
+    """Scan ``source`` as ``fmt`` (detected when None). Raises ConvertError for bad or empty input.
+
+    A detected image folder already split (``images/train/<class>/``, ``images/val/<class>/``:
+    :func:`imagefolder.splits`) is scanned as its splits, labelled from one class list
+    (:func:`imagefolder.scan_splits`); given ``fmt='imagefolder'``, as one dataset labelled by its split folders."""
     source = Path(source)
     options = options or ScanOptions()
     if fmt is not None and fmt not in FORMATS:
         raise ConvertError(f"unknown format {fmt!r} (choose from {', '.join(FORMATS)})")
     if not source.exists():
         raise ConvertError(f"{source}: no such file or directory")
+    split = [] if fmt or not source.is_dir() else imagefolder.splits(source)  # format given: one dataset
     fmt = fmt or detect(source)
     want_dir = fmt in ("imagefolder", "files")
     if want_dir != source.is_dir():
         raise ConvertError(f"{source}: format {fmt} needs a {'directory' if want_dir else 'file'}")
     refuse_table_options(fmt, options)
+    refuse_classes(fmt, options)
     try:
         if fmt == "imagefolder":
-            result = imagefolder.scan(source, options)
+            result = imagefolder.scan_splits(source, split, options) if split else imagefolder.scan(source, options)
         elif fmt == "files":
             result = files.scan(source, options)
         elif fmt == "parquet":
@@ -137,3 +143,11 @@ def refuse_table_options(kind: str, options: ScanOptions) -> None:
         name, value = given[0]
         raise ConvertError(f"{name}={str(value)!r}: an option of a table source ({', '.join(TABLE_FORMATS)}), "
                            f"not of {kind}")
+
+
+def refuse_classes(kind: str, options: ScanOptions) -> None:
+    """ConvertError when a class list (``classes_from``) was given for a source of ``kind`` that is no image folder:
+    its converter would ignore it."""
+    if options.classes is not None and kind != imagefolder.NAME:
+        raise ConvertError(f"classes_from={options.classes.origin!r}: an option of an image folder source, not of "
+                           f"{kind}")

@@ -20,6 +20,7 @@ from fastio.formats.media import sniff_media_field
 from fastio.formats.wds import safe_field_name, sanitize_key
 
 __all__ = [
+    "ClassList",
     "Entry",
     "Keys",
     "FieldValue",
@@ -99,6 +100,21 @@ class ScanResult:
     """How labels were made (a key of :data:`fastio.formats.labels.LABEL_RULES`); None: no labels."""
     renamed: list[tuple[str, str, str]] = field(default_factory=list)
     """Inputs whose key another input had taken first (:class:`Keys`): ``(origin, key given, origin of the first)``."""
+    splits: dict[str, list[int]] | None = None
+    """The source's own splits (an image folder already split, ``images/train/``, ``images/val/``): each split's
+    entry indices, in scan order; None: the source is one dataset."""
+    notes: list[str] = field(default_factory=list)
+    """What the conversion's summary line says of the source besides its counts (``val has no 'cat'``)."""
+
+
+@dataclass(frozen=True)
+class ClassList:
+    """The class names an image folder is labelled by, label k the k-th: another dataset's (``classes_from``), so
+    that a split converted apart numbers its classes as that dataset does."""
+
+    names: tuple[str, ...]
+    origin: str
+    """The dataset they were read from (named in messages)."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +136,9 @@ class ScanOptions:
     """Tables: the folder relative paths of the path column start from and every path must resolve into
     (symlinks followed); a path resolving elsewhere (``../``, ``/etc/...``) is skipped and listed.
     None: the table's own folder."""
+    classes: ClassList | None = None
+    """Image folders: the class list to label by (label k the k-th name) in place of the sorted class folders; a
+    class folder it does not name is refused. None: the source's own."""
 
 
 def main_image_field(entries: list[Entry]) -> str | None:

@@ -497,3 +497,84 @@ def test_a_file_name_with_a_newline_stays_on_its_line(tmp_path, image_folder, ca
     assert code == 0 and len(out.splitlines()) == 2 and "circle/evil\\nfastio: error: fake.jpg: not a" in out
     code, out, err = run_cli(["convert", str(image_folder), str(tmp_path / "ds2"), "--on-error", "fail"], capsys)
     assert code == 2 and len(err.splitlines()) == 1 and "circle/evil\\nfastio: error: fake.jpg" in err
+
+
+def _labels_by_class(ds: Dataset) -> dict[str, set[int]]:
+    """The ``cls`` values stored for each sample's class folder (its key's first part), read from the tars."""
+    import tarfile
+
+    got: dict[str, set[int]] = {}
+    for shard in ds.shards:
+        with tarfile.open(shard.path) as tar:
+            for member in tar.getmembers():
+                if member.name.endswith(".cls"):
+                    got.setdefault(member.name.split("/", 1)[0], set()).add(int(tar.extractfile(member).read()))
+    return got
+
+
+def test_a_folder_already_split_converts_every_split_with_one_class_list(tmp_path, capsys):
+    """images/train/<class>/ and images/val/<class>/ (ImageNet's layout) were refused, and converting each split
+    by itself numbered its labels by its own classes: a val lacking one of train's classes had label k name another
+    class than in train, silently. One conversion now writes DEST/train and DEST/val (and splits.json) with the
+    sorted union of the class folders as the one class list, and says which split lacks which class."""
+    src = tmp_path / "images"
+    make_imagefolder(src / "train", classes=4, per_class=3)
+    make_imagefolder(src / "val", classes=4, per_class=2)
+    for image in (src / "val" / "circle").iterdir():  # val lacks the first class: separately, its labels shift
+        image.unlink()
+    (src / "val" / "circle").rmdir()
+    code = main(["convert", str(src), str(tmp_path / "ds"), "--workers", "1"])
+    out = capsys.readouterr()
+    assert code == 0, out.err
+    train, val = Dataset(tmp_path / "ds" / "train"), Dataset(tmp_path / "ds" / "val")
+    classes = {"circle": 0, "hstripes": 1, "square": 2, "vstripes": 3}
+    assert train.label_map == val.label_map == classes
+    assert (len(train), len(val)) == (12, 6)
+    assert _labels_by_class(train) == {name: {k} for name, k in classes.items()}
+    assert _labels_by_class(val) == {name: {k} for name, k in classes.items() if name != "circle"}
+    assert json.loads((tmp_path / "ds" / "splits.json").read_text())["splits"].keys() == {"train", "val"}
+    assert "[train: 12, val: 6]" in out.out and "val has no 'circle'" in out.out.splitlines()[0]
+    assert verify(tmp_path / "ds").ok
+    assert main(["convert", str(src), str(tmp_path / "again"), "--split", "val=0.1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastio: error: {src}: already split into train, val") and "--split" in err
+    assert err.count("\n") == 1 and not (tmp_path / "again" / "train").exists()
+
+
+def test_classes_from_numbers_a_split_converted_apart_as_the_other(tmp_path, capsys):
+    """Converting val/ apart from train/ numbered its labels by val's own class folders: a val lacking one of
+    train's classes had label k name another class. --classes-from DATASET labels by that dataset's class list
+    (its manifest's label_map); a class folder it does not list is refused in one line, as is a dataset without
+    class names and an option for a source that is no image folder."""
+    make_imagefolder(tmp_path / "train", classes=4, per_class=2)
+    make_imagefolder(tmp_path / "val", classes=4, per_class=1)
+    for image in (tmp_path / "val" / "circle").iterdir():
+        image.unlink()
+    (tmp_path / "val" / "circle").rmdir()
+    assert main(["convert", str(tmp_path / "train"), str(tmp_path / "ds_train"), "--workers", "1", "-q"]) == 0
+    assert main(["convert", str(tmp_path / "val"), str(tmp_path / "ds_val"), "--workers", "1", "-q",
+                 "--classes-from", str(tmp_path / "ds_train")]) == 0
+    train, val = Dataset(tmp_path / "ds_train"), Dataset(tmp_path / "ds_val")
+    assert val.label_map == train.label_map == {"circle": 0, "hstripes": 1, "square": 2, "vstripes": 3}
+    assert _labels_by_class(val) == {"hstripes": {1}, "square": {2}, "vstripes": {3}}
+    assert val.manifest.convert_options["classes_from"] == str(tmp_path / "ds_train")
+    capsys.readouterr()
+
+    make_imagefolder(tmp_path / "more", classes=5, per_class=1)
+    assert main(["convert", str(tmp_path / "more"), str(tmp_path / "ds_more"), "--classes-from",
+                 str(tmp_path / "ds_train")]) == 2
+    assert capsys.readouterr().err == (f"fastio: error: {tmp_path / 'more'}/circle2: a class folder not in the class "
+                                       f"list of --classes-from {tmp_path / 'ds_train'} (4 classes: circle, hstripes, "
+                                       "square, vstripes)\n")
+    assert not (tmp_path / "ds_more").exists()
+    assert main(["convert", str(tmp_path / "val"), str(tmp_path / "x"), "--classes-from", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(f"fastio: error: --classes-from: {tmp_path}")
+    assert main(["convert", str(tmp_path / "train"), str(tmp_path / "split"), "--split", "val=0.25", "-q"]) == 0
+    assert main(["convert", str(tmp_path / "val"), str(tmp_path / "x"), "--classes-from", str(tmp_path / "split")]) == 2
+    assert capsys.readouterr().err == (f"fastio: error: --classes-from: {tmp_path / 'split'}: holds the splits train, "
+                                       f"val: give one of them, {tmp_path / 'split' / 'train'}\n")
+    (tmp_path / "t.csv").write_text("path,label\ntrain/circle/circle_0000.jpg,circle\n")
+    assert main(["convert", str(tmp_path / "t.csv"), str(tmp_path / "y"), "--classes-from",
+                 str(tmp_path / "ds_train")]) == 2
+    assert capsys.readouterr().err == (f"fastio: error: --classes-from {tmp_path / 'ds_train'}: an option of an "
+                                       "image folder source, not of csv\n")

@@ -284,32 +284,28 @@ def test_a_table_path_that_is_no_file_says_what_it_is(tmp_path):
         assert [(s.path, s.reason, s.error) for s in result.skipped] == [("t.csv:3", message, True)]
 
 
-def test_a_folder_already_split_is_not_labelled_by_its_split_names(tmp_path, capsys):
+def test_a_folder_already_split_is_not_labelled_by_its_split_names(tmp_path):
     """Found by the newcomer review: `fastio convert images ds` of a dataset already split (images/train/<class>/,
     images/val/<class>/, as ImageNet and most downloads come) converted it as 2 classes, 'train' and 'val': every
-    label the split's name, and nothing said. Detection refuses now, naming the splits and the commands;
-    format='imagefolder' given still labels by those folders."""
-    from fastio.cli import main
+    label the split's name, and nothing said. Detected, it is scanned as its splits now, labelled by the class
+    folders (one class list for all splits; tests/test_convert.py converts one); format='imagefolder' given still
+    labels by the split folders. A file beside the split folders is listed, not dropped unsaid."""
     from fastio.convert.synthetic import make_imagefolder
 
     make_imagefolder(tmp_path / "images" / "train", classes=3, per_class=2)
-    make_imagefolder(tmp_path / "images" / "val", classes=3, per_class=1)
+    make_imagefolder(tmp_path / "images" / "val", classes=2, per_class=1)
     src = tmp_path / "images"
-    said = (f"{src}: already split: train, val hold class folders, not images (as labels they would be the split "
-            f"names): convert each split, `fastio convert {src / 'train'} DEST/train` and "
-            f"`fastio convert {src / 'val'} DEST/val` (their class folders named alike, so that their labels agree), "
-            "or give format='imagefolder' to label by these folders")
-    with pytest.raises(ConvertError) as err:
-        converters.scan(src)
-    assert str(err.value) == said
-    assert main(["convert", str(src), str(tmp_path / "ds")]) == 2
-    told = said.replace("format='imagefolder'", "--format imagefolder")
-    assert capsys.readouterr().err == f"fastio: error: {told}\n"
+    (src / "README.txt").write_text("ImageNet-ish")
+    scan = converters.scan(src)
+    assert scan.label_map == {"circle": 0, "hstripes": 1, "square": 2}
+    assert {name: [scan.entries[i].key for i in got] for name, got in scan.splits.items()} == {
+        "train": ["circle/circle_0000", "circle/circle_0001", "hstripes/hstripes_0000", "hstripes/hstripes_0001",
+                  "square/square_0000", "square/square_0001"],
+        "val": ["circle/circle_0000", "hstripes/hstripes_0000"]}
+    assert scan.notes == ["val has no 'square'"]
+    assert [(s.path, s.reason) for s in scan.skipped] == [("README.txt", "not inside a split folder")]
     assert converters.scan(src, "imagefolder").label_map == {"train": 0, "val": 1}
-    assert converters.scan(src / "train").label_map == converters.scan(src / "val").label_map
-    make_imagefolder(tmp_path / "one" / "Train", classes=2, per_class=1)
-    with pytest.raises(ConvertError, match=r"one: already split: Train holds class folders, not images"):
-        converters.scan(tmp_path / "one")
+    assert converters.scan(src, "imagefolder").splits is None
 
 
 def test_a_stray_image_beside_class_folders_is_not_guessed_away(tmp_path, image_folder):
@@ -442,3 +438,32 @@ def test_parquet_images_stored_by_path_only_are_refused_naming_the_path(tmp_path
                               "'image': an image by path only ('/data/a.jpg'), its bytes not in the table: fastio "
                               "reads the images a Parquet holds, not files it names; embed them, or convert a CSV of "
                               "the paths)")
+
+
+def test_a_split_folder_of_images_without_class_folders_is_not_labelled_by_its_split_name(tmp_path, capsys):
+    """ImageNet's raw download has train/<class>/ but val/ holding its 50,000 images flat (their classes in a
+    separate file); some have an empty test/. Such a folder was not seen as already split (val holds no class
+    folder), so detection read it as one image folder with classes 'test', 'train' and 'val': every label a split's
+    name, and nothing said. It is refused now, naming each split that is no split of class folders and why;
+    format='imagefolder' still labels by the folders."""
+    from fastio.cli import main
+    from fastio.convert.synthetic import make_imagefolder
+
+    src = tmp_path / "images"
+    make_imagefolder(src / "train", classes=2, per_class=2)
+    make_imagefolder(tmp_path / "flat", classes=1, per_class=2)
+    (src / "val").mkdir()
+    for image in (tmp_path / "flat" / "circle").iterdir():
+        image.rename(src / "val" / image.name)
+    (src / "test").mkdir()  # and an empty test/, as some downloads have
+    said = (f"{src}: already split (test, train, val), but test holds no class folder of images, val holds images "
+            "outside class folders: labelled by these folders, every label would be a split's name; convert the "
+            "splits of class folders (the others moved aside), those of loose images as loose files (format='files') "
+            "or from a table naming their labels, or give format='imagefolder' to label by the split folders")
+    with pytest.raises(ConvertError) as err:
+        converters.scan(src)
+    assert str(err.value) == said
+    assert main(["convert", str(src), str(tmp_path / "ds")]) == 2
+    told = said.replace("format='files'", "--format files").replace("format='imagefolder'", "--format imagefolder")
+    assert capsys.readouterr().err == f"fastio: error: {told}\n"
+    assert converters.scan(src, "imagefolder").label_map == {"test": 0, "train": 1, "val": 2}

@@ -85,6 +85,21 @@ def test_imagefolder_shuffle_split_parts_merge_identical_by_linking(tmp_path, im
         assert verify(tmp_path / "parted" / split).problems == []
 
 
+def test_a_source_already_split_in_parts_merges_to_the_single_runs_bytes(tmp_path):
+    """An image folder already split (images/train/<class>/, images/val/<class>/ lacking a class) converted in parts
+    and merged is the single conversion's dataset, file for file: both splits, one class list, splits.json."""
+    make_imagefolder(tmp_path / "images" / "train", classes=3, per_class=6)
+    make_imagefolder(tmp_path / "images" / "val", classes=2, per_class=3)
+    single, merged, result = single_and_merged(tmp_path, tmp_path / "images", 3, order=(1, 2, 0), shuffle=True,
+                                               shard_size="20k", workers=1)
+    assert [name for name in sorted(set(single) | set(merged)) if single.get(name) != merged.get(name)] == []
+    assert json.loads(single["splits.json"])["splits"].keys() == {"train", "val"}
+    assert result.samples == 24
+    for split in ("train", "val"):
+        assert Dataset(tmp_path / "parted" / split).label_map == {"circle": 0, "hstripes": 1, "square": 2}
+    assert verify(tmp_path / "parted").ok
+
+
 def test_sample_count_shards_merge_by_linking_only(tmp_path, image_folder):
     """--max-samples-per-shard M with shards below --shard-size: parts are ranges of multiples of M and every
     shard of the result is a part's shard, linked, nothing copied."""

@@ -54,7 +54,10 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
 @click.argument("source")
 @click.argument("dest")
 @click.option("--format", "fmt", metavar="FORMAT", default=None,
-              help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE).")
+              help="imagefolder, csv, jsonl, parquet or files (default: detected from SOURCE; a detected image "
+                   "folder already split, SOURCE/train/<class>/ and SOURCE/val/<class>/, is written as DEST/train "
+                   "and DEST/val with one class list; --format imagefolder reads it as one dataset labelled by "
+                   "its split folders).")
 @click.option("--shard-size", default="256MB", show_default=True,
               help="Largest shard size: bytes or human units (256MB, 1GiB, 500k).")
 @click.option("--max-samples-per-shard", type=int, default=None, help="At most this many samples per shard.")
@@ -68,6 +71,9 @@ def _in_flags(text: str, *, leading: bool = False, command: click.Command | None
                    "the source has labels) or random.")
 @click.option("--split", default=None, metavar="NAME=FRAC[,...]",
               help="E.g. val=0.05: write DEST/train and DEST/val, each a complete dataset.")
+@click.option("--classes-from", type=click.Path(path_type=Path), default=None, metavar="DATASET",
+              help="Image folders: label by DATASET's class list (label k the same class as there), for a split "
+                   "converted apart (images/val after images/train); a class folder it lacks is refused.")
 @click.option("--max-side", type=int, default=None,
               help="Downscale and re-encode images whose longer side exceeds this (default: keep bytes).")
 @click.option("--quality", type=int, default=90, show_default=True, help="JPEG/WebP quality with --max-side.")
@@ -166,7 +172,8 @@ def convert(source: str, dest: str, fmt: str | None, shard_size: str, max_sample
             messages_field: str | None, train_on: str | None, max_tokens: int | None, overlong: str | None,
             image_field: str | None, image_token: str | None, image_seq_len: int | None, endpoint_url: str | None,
             region: str | None,
-            profile: str | None, transcode: str | None = None, video_decoder: str = "auto") -> None:
+            profile: str | None, classes_from: Path | None = None, transcode: str | None = None,
+            video_decoder: str = "auto") -> None:
     """Pack SOURCE (image/video/audio folder, CSV/JSONL/Parquet table, loose files) into verified shards in DEST.
 
     DEST is a folder or s3://bucket/prefix (written locally, then uploaded; the manifest last); a run that fails
@@ -212,7 +219,8 @@ def _convert_config(p: dict[str, Any]) -> Any:
             split=p["split"], split_by=p["split_by"], max_side=p["max_side"], quality=p["quality"],
             max_pixels=p["max_pixels"] or None, on_error=p["on_error"], overwrite=p["overwrite"], name=p["name"],
             path_column=p["path_column"], label_column=p["label_column"], key_column=p["key_column"],
-            labels=p["labels"], root=p["root"], part=p["part"], progress=progress_wanted(quiet),
+            labels=p["labels"], root=p["root"], classes_from=p["classes_from"], part=p["part"],
+            progress=progress_wanted(quiet),
             progress_every_s=None if quiet or progress_wanted(quiet) else p["progress_every"],
             staging_dir=p["staging_dir"], video_decoder=p.get("video_decoder", "auto"),
             storage_options=storage_options(p["endpoint_url"], p["region"], p["profile"]), **kwargs,

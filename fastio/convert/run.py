@@ -50,10 +50,10 @@ from fastio.convert.parts import (
 )
 from fastio.convert.split import SPLIT_BY, assign_splits
 from fastio.convert.workers import OrderedPool, start_server, workers_field
-from fastio.converters.base import FileRef, ScanOptions, ScanResult, UrlRef
-from fastio.dataset.manifest import Manifest, write_splits
+from fastio.converters.base import ClassList, FileRef, ScanOptions, ScanResult, UrlRef
+from fastio.dataset.manifest import Manifest, load_manifest, split_names, write_splits
 from fastio.dataset.shards import ShardWriter
-from fastio.errors import ConvertError, StorageError
+from fastio.errors import ConvertError, DatasetError, StorageError
 from fastio.formats.images import DEFAULT_MAX_PIXELS, ImageCheckError, check_image, downscale, is_image_field
 from fastio.formats.labels import LABEL_CHOICES, LABEL_RULES, label_bytes
 from fastio.formats.media import (
@@ -84,6 +84,7 @@ __all__ = [
     "convert",
     "load_entry",
     "parse_size",
+    "class_list",
     "parse_split",
 ]
 
@@ -110,6 +111,25 @@ class SampleTally(Protocol):
 
 
 ON_ERROR = ("skip", "fail")
+
+
+def class_list(dataset: Path) -> ClassList:
+    """The class names of ``dataset`` (a converted dataset whose labels are class names), label k the k-th.
+    ValueError naming the parameter this reads, ``classes_from``, and the dataset."""
+    try:
+        splits = split_names(dataset)
+        if splits:
+            raise ValueError(f"classes_from: {dataset}: holds the splits {', '.join(splits)}: give one of them, "
+                             f"{dataset / splits[0]}")
+        manifest = load_manifest(dataset)
+    except DatasetError as err:
+        raise ValueError(f"classes_from: {err}") from None
+    names = sorted(manifest.label_map or {}, key=lambda name: manifest.label_map[name])
+    if manifest.label_rule != "names" or not names or [manifest.label_map[n] for n in names] != list(range(len(names))):
+        raise ValueError(f"classes_from: {dataset}: its labels are not class names numbered 0, 1, ... (label_rule "
+                         f"{manifest.label_rule!r}): give a dataset converted from an image folder or a table of "
+                         "class names")
+    return ClassList(tuple(names), str(dataset))
 
 
 def parse_split(text: str | dict[str, float] | None) -> dict[str, float] | None:
@@ -177,7 +197,9 @@ class ConvertConfig:
     seed: int = 0
     """Seed for ``shuffle`` and ``split``."""
     split: dict[str, float] | str | None = None
-    """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset."""
+    """``{"val": 0.05}`` or ``"val=0.05"``: write ``dest/train`` and ``dest/val``, each a complete dataset. Refused
+    for an image folder already split (``images/train/<class>/``, ``images/val/<class>/``), whose own splits are
+    written so (:func:`fastio.converters.scan`)."""
     split_by: str | None = checked(one_of(SPLIT_BY, " (or None)"), default=None)
     """How ``split`` is drawn (:mod:`fastio.convert.split`): ``label`` (each split takes its fraction of every class)
     or ``random``; None: ``label`` when the source has labels, else ``random``. Recorded as the manifests'
@@ -227,6 +249,12 @@ class ConvertConfig:
     table's folder); rows naming a file elsewhere (``../``, absolute, a symlink out) are rejected. An image-text
     JSONL (a local one): the folder its relative image paths start from, every one resolving into it (default:
     the JSONL's folder; one elsewhere is refused, naming its line)."""
+    classes_from: Path | None = None
+    """Image folders: a dataset whose class list (its manifest's ``label_map``) labels this source, label k naming
+    the same class as there: for a split converted apart from the others (``images/val`` after ``images/train``),
+    which by its own class folders would number a class another way when it lacks or adds one. A class folder the
+    list does not name is refused; recorded as ``convert_options.classes_from``. None: the sorted class folders."""
+    _classes: ClassList | None = field(default=None, init=False, repr=False)
     progress: bool = False
     """Draw a progress bar on stderr."""
     progress_every_s: float | None = checked(rule(lambda v: v > 0, "must be > 0 (or None)"), default=None)
@@ -267,6 +295,9 @@ class ConvertConfig:
         self.transcode = parse_transcode(self.transcode)
         if self.part is not None:
             self.part = parse_part(self.part)
+        if self.classes_from is not None:
+            self.classes_from = Path(self.classes_from)
+            self._classes = class_list(self.classes_from)
         check_fields(self, config_error)
 
     def output_options(self) -> dict[str, Any]:
@@ -277,12 +308,14 @@ class ConvertConfig:
                 "max_pixels": self.max_pixels,
                 **({"transcode": self.transcode} if self.transcode != DEFAULT_TRANSCODE else {}),
                 **({"video_decoder": self.video_decoder} if self.video_decoder != DEFAULT_VIDEO_DECODER else {}),
+                **({"classes_from": str(self.classes_from)} if self.classes_from is not None else {}),
                 **(self.extra_options or {})}
 
 
 @dataclass
 class ConvertResult:
-    """What a conversion wrote: one manifest per dataset (key ``""`` without ``split``, else split names)."""
+    """What a conversion wrote: one manifest per dataset (key ``""`` for one dataset, else split names: ``split``'s,
+    or those of a source already split)."""
 
     dest: Path
     format: str
@@ -298,6 +331,9 @@ class ConvertResult:
     transcoded: dict[str, dict[str, int]] = field(default_factory=dict)
     """Files stored transcoded (``transcode``): per field they went into (``flac``, ``webm``), how many from each
     codec (``{"flac": {"mp3float": 6}}``)."""
+    notes: list[str] = field(default_factory=list)
+    """What the summary line says of the source besides the counts: a split of a source already split that lacks a
+    class of the others (``val has no 'cat'``; :attr:`fastio.converters.ScanResult.notes`)."""
 
     @property
     def samples(self) -> int:
@@ -326,6 +362,7 @@ class ConvertResult:
         elif rule:
             rule = f"{rule} ({LABEL_RULES[rule]})"
         labels = f"; labels: {rule}" if rule else self._unlabelled()
+        labels += "".join(f"; {note}" for note in self.notes)
         more = f"fastio inspect {self.dest} --skipped" + (" after the merge" if self.part else "")
         return (f"{part}converted {rate_line(self.samples, self.bytes_in, self.seconds)} into {count(self.shards, 'shard')}"
                 f"{split} at {where}; skipped {len(self.skipped)}{labels}{self._trained()}{renamed_line(self.renamed)}"
@@ -514,10 +551,20 @@ def _label_keys(scan) -> list[bytes]:
     return out
 
 
+def _split_text(split: dict[str, float]) -> str:
+    return ",".join(f"{name}={frac:g}" for name, frac in split.items())
+
+
 def _assign(scan, config: ConvertConfig) -> dict[str, list[int]]:
-    """Entry indices per output dataset, in writing order."""
+    """Entry indices per output dataset, in writing order: the source's own splits (an image folder already split),
+    ``split``'s, or one dataset (key ``""``)."""
     n = len(scan.entries)
-    if not config.split:
+    if scan.splits is not None:
+        if config.split:
+            raise ConvertError(f"{config.source}: already split into {', '.join(scan.splits)} (each converted into "
+                               f"its DEST/<split>): leave out split={_split_text(config.split)!r}")
+        groups = {name: list(indices) for name, indices in scan.splits.items()}
+    elif not config.split:
         groups = {"": list(range(n))}
     else:
         labels = _label_keys(scan) if _split_by(config, scan) == "label" else None
@@ -642,13 +689,15 @@ def _scan(config: ConvertConfig, scanner: Scanner | None = None):
     if config.workers > 1:
         start_server(load_entry, _init_worker, _WORKER_IMPORTS)
     options = ScanOptions(path_column=config.path_column, label_column=config.label_column,
-                          key_column=config.key_column, root=config.root, labels=config.labels)
+                          key_column=config.key_column, root=config.root, labels=config.labels,
+                          classes=config._classes)
     if scanner is None:
         scan = converters.scan(config.source, config.format, options)
     else:  # an image-text JSONL: its own scan, which takes no table option and no format
         if config.format is not None:
             raise ConvertError(f"format={config.format!r}: an image-text conversion reads its JSONL as it is")
         converters.refuse_table_options("image-text", dataclasses.replace(options, root=None))  # its images' root
+        converters.refuse_classes("image-text", options)
         scan = scanner(config.source)
     if config.on_error == "fail":
         bad = next((s for s in scan.skipped if s.error), None)
@@ -680,11 +729,11 @@ def _write_all(config: ConvertConfig, scan, groups: dict[str, list[int]], starte
                           scan_skipped=scan_skipped, **extra)))
     transcoded: dict[str, dict[str, int]] = {}
     manifests, skipped, bytes_in = _write_groups(config, jobs, scan.label_field, transcoded)
-    if config.split:
+    if "" not in manifests:
         write_splits(config.dest, manifests)
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=scan_skipped + skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in,
-                         renamed=scan.renamed, transcoded=transcoded)
+                         renamed=scan.renamed, transcoded=transcoded, notes=scan.notes)
 
 
 def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], started: float) -> ConvertResult:
@@ -717,7 +766,7 @@ def _write_part(config: ConvertConfig, scan, groups: dict[str, list[int]], start
         write_part_record(directory, PartRecord(part=k, of=n, plan=plan, datasets=ranges))
     return ConvertResult(dest=config.dest, format=scan.description["format"], manifests=manifests,
                          skipped=skipped, seconds=time.perf_counter() - started, bytes_in=bytes_in, part=(k, n),
-                         renamed=scan.renamed, transcoded=transcoded)
+                         renamed=scan.renamed, transcoded=transcoded, notes=scan.notes)
 
 
 def _write_groups(config: ConvertConfig, jobs, label_field: str | None, transcoded: dict[str, dict[str, int]],
