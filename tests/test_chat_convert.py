@@ -209,6 +209,24 @@ def _first_turns_that_fit(hf, chat, limit, template=CHATML, reply="assistant"):
     return None
 
 
+def _assert_truncated_as_transformers_would(tmp_path, result, config, template, chats, limit, train_on, reply):
+    """The truncated conversion in ``tmp_path / "chat"`` holds what transformers gives each of ``chats``: whole where
+    it fits in ``limit`` tokens, else its first turns up to a ``reply`` message that fit (dropped where none does),
+    the mask all ones unless ``train_on`` is "generation"; the manifest counts the dropped and the truncated."""
+    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
+    want, dropped, truncated = [], 0, 0
+    for chat in chats:
+        full = hf_ids_and_mask(hf, template, chat)
+        cut = full if len(full[0]) <= limit else _first_turns_that_fit(hf, chat, limit, template, reply)
+        dropped, truncated = dropped + (cut is None), truncated + (cut is not None and cut is not full)
+        if cut is not None:
+            want.append(cut if train_on == "generation" else (cut[0], [1] * len(cut[0])))
+    assert truncated > 0 and result.documents == len(want)
+    assert stored_conversations(tmp_path / "chat") == want
+    source = load_manifest(tmp_path / "chat").converted_from
+    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+
+
 @pytest.mark.parametrize("overlong", ["drop", "truncate"])
 def test_conversations_over_max_tokens_are_dropped_or_keep_their_first_turns_whole(tmp_path, overlong):
     pytest.importorskip("transformers", reason="transformers is installed --no-deps by make install")
@@ -256,18 +274,7 @@ def test_truncate_keeps_the_first_turns_of_conversations_in_sharegpt_roles(tmp_p
     result = convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "chat", tmp_path / "tokenizer.json",
                                                chat_template=config, workers=1, max_tokens=limit,
                                                overlong="truncate", train_on=train_on))
-    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
-    want, dropped, truncated = [], 0, 0
-    for chat in chats:
-        full = hf_ids_and_mask(hf, template, chat)
-        cut = full if len(full[0]) <= limit else _first_turns_that_fit(hf, chat, limit, template, "gpt")
-        dropped, truncated = dropped + (cut is None), truncated + (cut is not None and cut is not full)
-        if cut is not None:
-            want.append(cut if train_on == "generation" else (cut[0], [1] * len(cut[0])))
-    assert truncated > 0 and result.documents == len(want)
-    assert stored_conversations(tmp_path / "chat") == want
-    source = load_manifest(tmp_path / "chat").converted_from
-    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+    _assert_truncated_as_transformers_would(tmp_path, result, config, template, chats, limit, train_on, "gpt")
 
 
 CAPITALISED = GPT_ROLES.replace("'gpt'", "'Assistant'")
@@ -301,18 +308,8 @@ def test_truncate_reads_roles_whatever_their_case_and_sharegpt_keys(tmp_path, na
     result = convert_tokens(TokenConvertConfig(tmp_path / "chats.jsonl", tmp_path / "chat", tmp_path / "tokenizer.json",
                                                chat_template=config, workers=1, max_tokens=limit,
                                                overlong="truncate", train_on=train_on))
-    hf = hf_tokenizer(tmp_path / "tokenizer.json", config)
-    want, dropped, truncated = [], 0, 0
-    for chat in chats:
-        full = hf_ids_and_mask(hf, template, chat)
-        cut = full if len(full[0]) <= limit else _first_turns_that_fit(hf, chat, limit, template, names["assistant"])
-        dropped, truncated = dropped + (cut is None), truncated + (cut is not None and cut is not full)
-        if cut is not None:
-            want.append(cut if train_on == "generation" else (cut[0], [1] * len(cut[0])))
-    assert truncated > 0 and result.documents == len(want)
-    assert stored_conversations(tmp_path / "chat") == want
-    source = load_manifest(tmp_path / "chat").converted_from
-    assert (source["overlong_dropped"], source["overlong_truncated"]) == (dropped, truncated)
+    _assert_truncated_as_transformers_would(tmp_path, result, config, template, chats, limit, train_on,
+                                            names["assistant"])
 
 
 ALL_TURNS = CHATML.replace("{% if message['role'] == 'assistant' %}", "{% if true %}")
