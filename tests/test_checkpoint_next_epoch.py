@@ -49,15 +49,21 @@ def _zeroed() -> nn.Linear:
     return model
 
 
+def _saved(tmp_path, old: Loader, batches: int, step: int) -> tuple[dict, nn.Linear]:
+    """``old`` iterated ``batches`` batches, saved at ``step`` in ``tmp_path / "ck"`` with a fresh model, then closed:
+    the Loader's state and that model."""
+    list(islice(iter(old), batches))
+    state, model = old.state_dict(), nn.Linear(4, 2)
+    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
+        ckpt.save(step, {"model": model, "loader": old}, blocking=True)
+    old.close()
+    return state, model
+
+
 def test_a_token_corpus_converted_again_restores_at_its_next_epoch(tmp_path):
     ds = word_corpus(tmp_path)
     old = _tokens(ds)
-    list(islice(iter(old), 3))
-    saved_state = old.state_dict()
-    saved_model = nn.Linear(4, 2)
-    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
-        ckpt.save(5, {"model": saved_model, "loader": old}, blocking=True)
-    old.close()
+    saved_state, saved_model = _saved(tmp_path, old, 3, 5)
     _grow(tmp_path, 40)  # the corpus gained documents: another fingerprint, more sequences
 
     model, new = _zeroed(), _tokens(ds)
@@ -175,12 +181,7 @@ def test_a_mixture_whose_sources_changed_restores_at_its_next_epoch(tmp_path, no
                       device="cpu", seed=5, world_size=1, rank=0, num_threads=1, prefetch=2)
 
     old = loader({"a": "a", "b": "b"}, {"a": 1, "b": 1})
-    list(islice(iter(old), 2))
-    saved = old.state_dict()
-    saved_model = nn.Linear(4, 2)
-    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
-        ckpt.save(7, {"model": saved_model, "loader": old}, blocking=True)
-    old.close()
+    saved, saved_model = _saved(tmp_path, old, 2, 7)
     for weights in (None, [(0, {k: 1 for k in now}), (60, {k: 1 + i for i, k in enumerate(now)})]):
         model, new = _zeroed(), loader(now, weights)
         with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
@@ -223,12 +224,7 @@ def test_a_dataset_that_became_a_mixture_or_back_restores_at_its_next_epoch(tmp_
         return Loader(target, batch_size=6, pipeline=Raw(), device="cpu", seed=5, world_size=1, rank=0, num_threads=1)
 
     old = loader(was)
-    list(islice(iter(old), 2))
-    saved_model = nn.Linear(4, 2)
-    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
-        ckpt.save(7, {"model": saved_model, "loader": old}, blocking=True)
-    saved = old.state_dict()
-    old.close()
+    saved, saved_model = _saved(tmp_path, old, 2, 7)
     model, new = _zeroed(), loader(now)
     with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
         with pytest.raises(CheckpointError) as err:
@@ -266,12 +262,7 @@ def test_a_mixture_whose_schedule_past_changed_restores_at_its_next_epoch(tmp_pa
                       world_size=1, rank=0, num_threads=1, prefetch=2)
 
     old = loader([(0, {"a": 1, "b": 1}), (20, {"a": 3, "b": 1})])
-    list(islice(iter(old), 2))
-    saved = old.state_dict()  # stream position 12
-    saved_model = nn.Linear(4, 2)
-    with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
-        ckpt.save(7, {"model": saved_model, "loader": old}, blocking=True)
-    old.close()
+    saved, saved_model = _saved(tmp_path, old, 2, 7)  # stream position 12
     model, new = _zeroed(), loader(now)
     with Checkpointer(tmp_path / "ck", signals=()) as ckpt:
         with pytest.raises(CheckpointError) as err:
