@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["LAYER_MIB", "WIDTH", "build", "build_fsdp", "state_mib", "train_step"]
+__all__ = ["LAYER_MIB", "WIDTH", "build", "build_fsdp", "line_up", "state_mib", "train_step"]
 
 WIDTH = 2048  # one Linear(WIDTH, WIDTH) layer: 16 MiB of fp32 weights; Adam adds 32 MiB
 LAYER_MIB = WIDTH * WIDTH * 4 / 2**20
@@ -52,6 +52,23 @@ def state_mib(model: nn.Module, optim: torch.optim.Optimizer) -> float:
     n += sum(t.numel() * t.element_size() for s in optim.state.values() for t in s.values()
              if isinstance(t, torch.Tensor))
     return n / 2**20
+
+
+def line_up() -> None:
+    """Before a timed call on every rank: a full garbage collection here, then a barrier (the ranks start together).
+
+    CPython runs a full (generation-2) collection, which walks every object of the process (torch's modules and
+    the model's: 0.15-0.28 s on the 2-core development machine), after about 100 young ones. In a loop of saves and
+    restores it lands in whichever call crosses that count, on either rank, and the barrier after the call makes
+    the other rank wait for it: in the FSDP2 measurements of 2026-12-07 every slow round of the Checkpointer's
+    restore, and of ``dcp.load``, held one (notes of issue 45). Collected here, none starts inside a timed call (one
+    makes fewer than 30 young collections): each side is timed for its own work, both alike."""
+    import gc
+
+    import torch.distributed as dist
+
+    gc.collect()
+    dist.barrier()
 
 
 def end_rank(rank: int, path, result) -> None:

@@ -3,7 +3,8 @@
 2 gloo ranks on the CPU, an FSDP2 model (every layer ``fully_shard``) and its Adam state of ~``size_mib``, as
 :func:`bench.checkpoint.measure_fsdp`. One Checkpointer save and one ``dcp.save``, then ``rounds`` paired rounds
 of ``Checkpointer.restore_latest`` and the peer (``get_state_dict``, ``dcp.load``, ``set_state_dict``), their
-order alternating from round to round. The library's functions that a restore runs are wrapped here (the
+order alternating from round to round, each after a full garbage collection on both ranks
+(:func:`bench.model.line_up`). The library's functions that a restore runs are wrapped here (the
 library itself carries no timers): each phase's wall time and the process's CPU time (all its threads) are
 summed per restore, and the collectives of ``torch.distributed`` it makes are counted. Phases nest (``load``
 holds ``dcp.load``), so they do not add up; ``rest`` is the restore's time outside its top-level phases.
@@ -29,7 +30,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.model import build_fsdp, end_rank
+from bench.model import build_fsdp, end_rank, line_up
 
 __all__ = ["PHASES", "probe"]
 
@@ -157,7 +158,7 @@ def _worker(rank: int, port: int, work: str, size_mib: int, rounds: int) -> None
         row = {}
         for name, fn in sorted({"fastio": lambda: ckpt.restore_latest(app), "dcp": peer}.items(),
                                reverse=i % 2 == 1):
-            dist.barrier()
+            line_up()  # no full collection left to land inside the restore (bench.model.line_up)
             clock.reset()
             w, c = time.perf_counter(), time.process_time()
             fn()
