@@ -110,13 +110,16 @@ _DALI_OPERATOR = re.compile(r"Error in \w+ operator `(?:nvidia\.dali\.)?([\w.]+)
 def dali_reason(err: BaseException) -> str:
     """One line of what a DALI pipeline error says, for a message naming the batch: the operator and the
     first line after DALI's ``encountered:`` (``fn.decoders.video: Failed to create video decoder ...``; without
-    an ``Assert on "..." failed:`` prefix), not its ``Critical error in pipeline:`` header; else the first line."""
+    an ``Assert on "..." failed:`` prefix), not its ``Critical error in pipeline:`` header; else the first line.
+    ``encountered:`` is a line of its own after the stack DALI recorded where the graph was defined, else it ends the
+    operator's line (a graph built without that record: :mod:`fastio.pipelines.untraced`)."""
     text = str(err).strip()
     if not text:
         return type(err).__name__
     lines = [line.strip() for line in text.splitlines()]
     op = _DALI_OPERATOR.search(text)
-    after = lines[lines.index("encountered:") + 1:] if "encountered:" in lines else []
+    at = next((k for k, line in enumerate(lines) if line.endswith("encountered:")), None)
+    after = lines[at + 1:] if at is not None else []
     said = next((line for line in after if line and not line.startswith("C++ context")), None)
     if said is None:
         return next(line for line in lines if line)[:160]

@@ -204,13 +204,17 @@ class ImageKind(Pipeline):
     """The dtype of each graph input (:meth:`input_names`)."""
     output_names: ClassVar[tuple[str, ...] | None] = ("image", "index")
     """The graph's outputs (None: named by the graph itself)."""
+    traced: ClassVar[bool] = True
+    """Whether DALI records each operator's Python stack while the graph is built (:attr:`GraphDef.traced`): a
+    graph a user writes (:class:`fastio.Graph`, a kind of their own); fastio's :class:`ImageTrain` and
+    :class:`ImageEval` build theirs without it."""
 
     def read_fields(self, ds: Dataset, fields: Sequence[str]) -> ReadFields:
         return image_read_fields(ds, fields, self.kind, self.needs_image_size)
 
     def graph(self) -> GraphDef:
         return GraphDef(declared(self.input_names(), self.input_dtypes), self.inputs, self._headers_read_graph,
-                        self.output_names, image_problem)
+                        self.output_names, image_problem, traced=self.traced)
 
     def _headers_read_graph(self, inp: dict[str, Any], decoder_device: str) -> Any:
         """:meth:`_graph` on ``encoded`` passed on once every image's header is read (:func:`headers_read`)."""
@@ -234,6 +238,8 @@ class ImageKind(Pipeline):
 @dataclass(frozen=True)
 class _Image(ImageKind):
     """Options both image kinds share."""
+
+    traced: ClassVar[bool] = False  # fastio's own graphs: the Loader names their failures itself
 
     size: int = 224
     """Output side S: images are S x S (at most :data:`MAX_SIDE`, 8192)."""
