@@ -4,7 +4,8 @@ A buffered write of a checkpoint fills fresh page-cache pages with a copy of eve
 host the kernel's work for those pages (allocating them, copying, writing them back) is most of the write's CPU, and
 it runs beside the training thread. ``O_DIRECT`` hands the device the bytes from the caller's buffer instead: the
 bytes are copied once, into aligned buffers of :data:`CHUNK_BYTES` (staged tensors are not aligned as ``O_DIRECT``
-needs), and no page of the file is cached. Each chunk's write returns once the device has it (the next chunk is
+needs; copied by numpy, which releases the GIL for it: a ``memoryview`` copy holds it, and the training thread waited),
+and no page of the file is cached. Each chunk's write returns once the device has it (the next chunk is
 copied meanwhile); the caller still fsyncs (the device's cache, the file's size and metadata).
 
 Where the file system refuses ``O_DIRECT`` (tmpfs, some FUSE file systems), :func:`open_direct` returns None and the
@@ -18,6 +19,8 @@ import mmap
 import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
 
 __all__ = ["ALIGN", "CHUNK_BYTES", "DirectFile", "open_direct"]
 
@@ -63,7 +66,9 @@ class DirectFile:
 
     def __init__(self, fd: int):
         self.fd = fd
-        self.views = [memoryview(buf) for buf in _buffers_of_thread()]
+        bufs = _buffers_of_thread()
+        self.views = [memoryview(buf) for buf in bufs]
+        self.arrays = [np.frombuffer(buf, dtype=np.uint8) for buf in bufs]  # copies into them release the GIL
         self.current, self.fill, self.size = 0, 0, 0
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fastio-direct-write")
         self.pending: Future | None = None
@@ -71,9 +76,10 @@ class DirectFile:
     def write(self, data: memoryview) -> None:
         """Append ``data`` (a flat byte view)."""
         pos, n = 0, data.nbytes
+        src = np.frombuffer(data, dtype=np.uint8) if n else None
         while pos < n:
             take = min(CHUNK_BYTES - self.fill, n - pos)
-            self.views[self.current][self.fill:self.fill + take] = data[pos:pos + take]
+            self.arrays[self.current][self.fill:self.fill + take] = src[pos:pos + take]
             self.fill += take
             pos += take
             if self.fill == CHUNK_BYTES:
@@ -84,7 +90,7 @@ class DirectFile:
         """Write what is left, wait for it, and cut the file to its size; the number of bytes written."""
         if self.fill:
             padded = -(-self.fill // ALIGN) * ALIGN
-            self.views[self.current][self.fill:padded] = bytes(padded - self.fill)
+            self.arrays[self.current][self.fill:padded] = 0
             self._hand_off(padded)
         self._wait()
         if self.size % ALIGN:
@@ -99,6 +105,7 @@ class DirectFile:
                 self.pending.exception()
         finally:
             self.pool.shutdown(wait=True)
+            self.arrays = []
             for view in self.views:
                 view.release()
 
