@@ -224,7 +224,8 @@ def test_unsupported_state_value_is_named(tmp_path):
 
 @pytest.mark.parametrize("bad", [{"every_steps": -1}, {"keep": 1.5}, {"policy": "queue"},
                                  {"signals": ("SIGNOPE",)}, {"every_seconds": -2}, {"engine": "nope"},
-                                 {"every_seconds": float("nan")}, {"signals": ("SIGKILL",)}, {"signals": (19,)}])
+                                 {"every_seconds": float("nan")}, {"signals": ("SIGKILL",)}, {"signals": (19,)},
+                                 {"direct_writes": 1}, {"direct_writes": "no"}])
 def test_config_validation(bad, tmp_path):
     """Each bad field is a ValueError naming it; a NaN period passed ``< 0`` and silently never saved, and SIGKILL or
     SIGSTOP (which no handler can catch) was a raw 'OSError: [Errno 22] Invalid argument' once the lock was taken."""

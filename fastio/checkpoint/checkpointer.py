@@ -527,6 +527,11 @@ class Checkpointer:
             return f"{self.config.url}/{naming.step_name(step)}"
         return str(naming.step_dir(self.dir, step))
 
+    def _direct_writes(self) -> bool:
+        """Whether the engine writes past the page cache (``direct_writes``): not when the files are read back before
+        they are done with (compressed, or uploaded to an ``s3://`` dir)."""
+        return self.config.direct_writes and self._compression is None and self._remote is None
+
     def _finish_pruning(self) -> None:
         """Wait for the deletion of the steps the last save's retention expired (see :meth:`Commit.prune`)."""
         pruner = self._pruner
@@ -634,7 +639,8 @@ class Checkpointer:
                     self._commit.ready(step)
                 self._stager.wait_copies()
                 return engine.save(tmp, staged, pg=ranks.pg, replicated=replicated, global_keys=global_keys,
-                                   writeback=self._compression is None)  # compressed: replaced before the commit
+                                   writeback=self._compression is None,  # compressed: replaced before the commit
+                                   direct=self._direct_writes())
 
             written = ranks.run("write", write)
             if self._compression is not None:

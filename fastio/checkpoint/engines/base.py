@@ -138,7 +138,7 @@ class Engine(Protocol):
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
-             writeback: bool = True) -> dict[str, dict[str, Any]] | None:
+             writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]] | None:
         """Collective: write ``states`` (app key -> a private, already staged state dict) into the
         existing directory ``path``. ``replicated``: globs over ``key/sub/path`` of state identical on
         every rank (written once). ``global_keys``: what :meth:`prepare` said is global. Runs on the
@@ -148,7 +148,8 @@ class Engine(Protocol):
         commit then records those instead of reading the files back (None: it reads them all). ``writeback``:
         start each file's writeback to the disk as it is written (:func:`~fastio.storage.atomic.start_writeback`),
         so that the commit's fsyncs find it done; False when the files are replaced before the commit (compressed),
-        whose bytes would go to the disk for nothing."""
+        whose bytes would go to the disk for nothing. ``direct``: write the data files past the page cache where the
+        engine can (:mod:`fastio.storage.direct`; an engine that cannot writes as before)."""
         ...
 
     def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:

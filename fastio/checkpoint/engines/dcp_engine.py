@@ -880,11 +880,12 @@ class DcpEngine:
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
-             writeback: bool = True) -> dict[str, dict[str, Any]]:
+             writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]]:
         """Per-rank files, then one collective ``dcp.save`` of the global state, then (rank 0) the sidecar; the
         files this rank wrote, each with its size and xxh3-128 taken from the bytes written (DCP's through
         :class:`_HashingFileSystem`). ``replicated`` is not used: global state is written once by DCP's own
-        deduplication.
+        deduplication. ``direct`` is not used either: DCP writes each tensor through ``torch.save`` in pieces of
+        ~57 KiB, through the page cache.
 
         Only this rank's own failure raises here, and only after the collective (the other ranks are in it):
         another rank's failure, which DCP reports on every rank, is left to the caller's agreement, which

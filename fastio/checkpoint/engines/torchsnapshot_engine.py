@@ -31,6 +31,7 @@ whose truncation by another process would be a SIGBUS; a file cut short, or repl
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
 import mmap
@@ -86,6 +87,7 @@ from fastio.checkpoint.staging import Frozen
 from fastio.errors import CheckpointError
 from fastio.storage.atomic import start_writeback
 from fastio.storage.checksum import DIGESTS
+from fastio.storage.direct import DirectFile, open_direct
 from fastio.words import count
 
 __all__ = ["TorchSnapshotEngine", "TorchSnapshotCheckpoint"]
@@ -392,15 +394,17 @@ class _LaterErrors(FSStoragePlugin):
     hashed from the bytes written, which are the Checkpointer's staged copy); and starting each file's writeback to
     the disk as it is written (``writeback``, :func:`~fastio.storage.atomic.start_writeback`, every
     :data:`_WRITEBACK_BYTES`: the commit's fsyncs then find the bytes written or on their way, instead of writing all
-    of them at once).
+    of them at once); or, with ``direct``, writing each file past the page cache (:mod:`fastio.storage.direct`: the
+    bytes on the device as the write returns, no writeback to start), through the page cache where the file system
+    refuses ``O_DIRECT``.
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
     collective of it, and the Checkpointer's agreement on the ``write`` phase then fails every rank with it."""
 
-    def __init__(self, root: str, writeback: bool = True):
+    def __init__(self, root: str, writeback: bool = True, direct: bool = False):
         super().__init__(root=root)
-        self.writeback = writeback
+        self.writeback, self.direct = writeback, direct
         self.error: Exception | None = None
         self.written: dict[str, dict[str, Any]] = {}
 
@@ -426,6 +430,14 @@ class _LaterErrors(FSStoragePlugin):
             self._dir_cache.add(parent)
         views = buf.views if isinstance(buf, _Pieces) else [memoryview(buf)]
         digest, size, started = DIGESTS[WRITE_CHECKSUM](), 0, 0
+        fd = open_direct(full) if self.direct else None
+        if fd is not None:
+            try:
+                return self._write_direct(fd, views, digest)
+            except OSError as err:  # a file system that takes the flag but not the writes: this file again, buffered
+                if err.errno != errno.EINVAL:
+                    raise
+                self.direct, digest = False, DIGESTS[WRITE_CHECKSUM]()
         fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
         try:
             for view in views:
@@ -445,6 +457,24 @@ class _LaterErrors(FSStoragePlugin):
             os.close(fd)
         return written_record(None, size, digest.hexdigest())
 
+    @staticmethod
+    def _write_direct(fd: int, views: list[memoryview], digest: Any) -> dict[str, Any]:
+        """:meth:`_write_file` past the page cache (:class:`~fastio.storage.direct.DirectFile`): no writeback to
+        start, the bytes are on the device as each chunk's write returns."""
+        try:
+            out = DirectFile(fd)
+            try:
+                for view in views:
+                    view = view.cast("B") if view.format != "B" or view.ndim != 1 else view
+                    digest.update(view)
+                    out.write(view)
+                size = out.finish()
+            finally:
+                out.close()
+        finally:
+            os.close(fd)
+        return written_record(None, size, digest.hexdigest())
+
 
 _WRITEBACK_BYTES = 8 << 20
 """A file's writeback is started after every 8 MiB written into it (:func:`~fastio.storage.atomic.start_writeback`),
@@ -452,7 +482,7 @@ so a slab's first tensors go to the disk while its last are written."""
 
 
 def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
-          writeback: bool = True) -> dict[str, dict[str, Any]]:
+          writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]]:
     """``Snapshot.take(path, app, pg=pg, replicated=replicated)``, step for step as torchsnapshot 0.1.0 does it,
     but through :class:`_LaterErrors`: a write error on this rank is raised after the take's last collective
     (then rank 0 writes no ``.snapshot_metadata`` of its own failure; the step is never committed anyway).
@@ -462,7 +492,7 @@ def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
         ranks = PGWrapper(pg=pg)
         path, coalesced = Snapshot._coalesce_path_and_replicated(path=path, pg_wrapper=ranks, app_state=app,
                                                                  replicated=replicated)
-        storage = _LaterErrors(path, writeback)
+        storage = _LaterErrors(path, writeback, direct)
         pending, metadata = Snapshot._take_impl(path=path, app_state=app, replicated=coalesced,
                                                 pg_wrapper=PGWrapper(pg), storage=storage, event_loop=event_loop,
                                                 is_async_snapshot=False)
@@ -867,7 +897,7 @@ class TorchSnapshotEngine:
 
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
-             writeback: bool = True) -> dict[str, dict[str, Any]]:
+             writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]]:
         """``Snapshot.take`` of the staged ``states`` (:func:`_take`: a write error raises on its rank only
         after the take's collectives), tensors below 128 MiB batched into slab files (:func:`_gather_writes`); the
         files this rank wrote, each with its size and xxh3-128 taken from the bytes written.
@@ -877,7 +907,7 @@ class TorchSnapshotEngine:
         """
         app = {key: Frozen(state) for key, state in states.items()}
         with _write_settings():
-            return _take(str(path), app, pg, list(replicated), writeback)
+            return _take(str(path), app, pg, list(replicated), writeback, direct)
 
     def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
         """At the world size it was saved at, rank R reads its own state from the files under ``R/``; the files

@@ -1,0 +1,121 @@
+"""Writes past the page cache (:mod:`fastio.storage.direct`): the bytes that land are exactly the bytes given, whatever
+their sizes against the aligned chunks, and a file system that takes ``O_DIRECT`` at open but refuses its writes
+gets the checkpoint written through the page cache instead of a failed save."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from fastio.checkpoint import Checkpointer
+from fastio.storage import direct
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+
+SIZES = [
+    [0],
+    [1],
+    [direct.ALIGN - 1, 3],
+    [direct.CHUNK_BYTES],
+    [direct.CHUNK_BYTES - 5, 10, direct.ALIGN],
+    [3, 2 * direct.CHUNK_BYTES + 7, direct.CHUNK_BYTES + direct.ALIGN],
+]
+
+
+@pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "+".join(map(str, s)))
+def test_a_direct_file_holds_exactly_the_bytes_written(tmp_path, sizes):
+    """Pieces of any size, across chunk and block boundaries: the file is their concatenation, no padding left."""
+    gen = torch.Generator().manual_seed(sum(sizes))
+    pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).numpy().tobytes() for n in sizes]
+    path = tmp_path / "f"
+    fd = direct.open_direct(str(path))
+    if fd is None:
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    try:
+        out = direct.DirectFile(fd)
+        try:
+            for piece in pieces:
+                out.write(memoryview(piece))
+            assert out.finish() == sum(sizes)
+        finally:
+            out.close()
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(pieces)
+
+
+def test_an_error_of_a_chunk_write_is_raised_by_finish(tmp_path):
+    """A chunk written on the file's own thread that fails (here: a descriptor opened read-only, EBADF) raises from
+    the writer's next call, not lost on that thread."""
+    path = tmp_path / "f"
+    path.write_bytes(b"")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        out = direct.DirectFile(fd)
+        try:
+            with pytest.raises(OSError) as err:
+                out.write(memoryview(bytes(direct.CHUNK_BYTES + 1)))
+                out.finish()
+            assert err.value.errno == errno.EBADF
+        finally:
+            out.close()
+    finally:
+        os.close(fd)
+
+
+def _app():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(300, 301), nn.Linear(301, 7))  # sizes no block divides
+    optim = torch.optim.Adam(model.parameters())
+    model(torch.randn(2, 300)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+def _files(root):
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file() and "_fastio_slabs" in p.as_posix()}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
+def test_a_checkpoint_written_direct_is_the_same_files_and_restores(tmp_path):
+    """direct_writes (the default) changes where the bytes go, not the bytes: the same slab files as a buffered save,
+    and a restore of them gives the state back."""
+    model, optim = _app()
+    for name, flag in (("direct", True), ("buffered", False)):
+        with Checkpointer(tmp_path / name, signals=(), engine="torchsnapshot", direct_writes=flag) as ckpt:
+            ckpt.save(3, {"model": model, "optim": optim}, blocking=True)
+    assert _files(tmp_path / "direct") == _files(tmp_path / "buffered") != {}
+    fresh = nn.Sequential(nn.Linear(300, 301), nn.Linear(301, 7))
+    fresh_optim = torch.optim.Adam(fresh.parameters())
+    with Checkpointer(tmp_path / "direct", signals=()) as ckpt:
+        ckpt.restore_latest({"model": fresh, "optim": fresh_optim})
+    for key, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[key], value), key
+    assert torch.equal(fresh_optim.state_dict()["state"][0]["exp_avg"], optim.state_dict()["state"][0]["exp_avg"])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
+def test_a_file_system_refusing_direct_writes_gets_the_files_through_the_page_cache(tmp_path, monkeypatch):
+    """Some file systems take ``O_DIRECT`` at open and refuse the writes (EINVAL): the file is written again through
+    the page cache, and the save succeeds with the same files."""
+    model, optim = _app()
+    refused = []
+
+    def refusing(fd, view):
+        refused.append(view.nbytes)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    with Checkpointer(tmp_path / "buffered", signals=(), direct_writes=False) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim}, blocking=True)
+    monkeypatch.setattr(direct, "_write_all", refusing)
+    with Checkpointer(tmp_path / "refused", signals=()) as ckpt:
+        ckpt.save(3, {"model": model, "optim": optim}, blocking=True)
+        assert ckpt.steps() == [3]
+    assert refused  # the direct write was tried
+    assert _files(tmp_path / "refused") == _files(tmp_path / "buffered") != {}
