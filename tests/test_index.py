@@ -779,6 +779,28 @@ def test_verify_names_a_shard_below_the_folder_by_its_path(shards, tmp_path, cap
     assert code == 1 and f"{folder / 'sub' / 'gnu.tar'}: shard file is missing" in out.splitlines(), out
 
 
+def test_opening_a_dataset_names_a_missing_shard_of_any_of_its_folders(shards, tmp_path, capsys):
+    # Dataset() lists each folder holding shards once, finding a key's folder from its text (issue 45: a Path a
+    # key cost ~0.1 ms a Loader()): shards in place in two folders (relative keys), then below a --dest (absolute).
+    folder, _ = shards
+    meta = tmp_path / "meta"
+    assert run_cli(["index", str(folder), "-q"], capsys)[0] == 0
+    assert run_cli(["index", str(folder), "--dest", str(meta), "-q"], capsys)[0] == 0
+    from fastio.errors import DatasetError
+    inside, outside = Dataset(folder), Dataset(meta)
+    assert {s.idx_key for s in inside.shards} >= {"sub/gnu.idx", "sub/pax.idx"}, [s.idx_key for s in inside.shards]
+    assert str(folder / "sub" / "gnu.tar") in {s.tar_key for s in outside.shards}
+    assert "shards/sub-gnu.idx" in {s.idx_key for s in outside.shards}
+    assert len({s.path.parent for s in inside.shards}) == 2 and len(inside.shards) == len(outside.shards)
+    (meta / "shards" / "sub-pax.idx").unlink()
+    with pytest.raises(DatasetError, match=re.escape(f"{meta}: shard file sub-pax.idx is missing")):
+        Dataset(meta)
+    (folder / "sub" / "gnu.tar").unlink()
+    for dest in (folder, meta):
+        with pytest.raises(DatasetError, match=re.escape(f"shard file {folder / 'sub' / 'gnu.tar'} is missing")):
+            Dataset(dest)
+
+
 def test_links_inside_a_tar_are_named_in_skipped(tmp_path, capsys):
     # Found by review: GNU tar stores a file hard-linked to one already in the archive (images deduplicated by
     # hard links) as a link member without bytes; WebDataset and wds2idx pass it over, and so did fastio index,

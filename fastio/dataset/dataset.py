@@ -338,4 +338,7 @@ def _a_list(dest: list | tuple) -> DatasetError:
 
 def _record_fields(record: ShardRecord) -> dict[str, Any]:
     """A record's own fields, to build the :class:`Shard` that locates it."""
-    return {f.name: getattr(record, f.name) for f in dataclasses.fields(ShardRecord)}
+    return {name: getattr(record, name) for name in _RECORD_FIELDS}
+
+
+_RECORD_FIELDS = tuple(f.name for f in dataclasses.fields(ShardRecord))  # once, not once a shard

@@ -131,17 +131,27 @@ class LocalFiles(DatasetFiles):
 
     def check(self, records: list[ShardRecord]) -> None:
         # One listing per folder holding shards, not a stat per file (2 x 10^5 metadata calls per rank at scale).
+        # A key's folder is made a Path once (a Path a key: ~10 us each, 2 a shard, in every Loader(): issue 45).
         listed: dict[Path, set[str]] = {}
+        folders: dict[str, Path] = {}  # a key's text up to its last "/" -> that folder
         for r in records:
             for key in (r.tar_key, r.idx_key):
-                path = self._local(key)
-                if path.parent not in listed:
+                name = key.rpartition("/")[2]
+                head = key[:len(key) - len(name)]
+                if name in ("", "."):  # a name Path would normalise: its own reading
+                    path = self._local(key)
+                    folder, name = path.parent, path.name
+                elif head not in folders:
+                    folder = folders[head] = self._local(key).parent
+                else:
+                    folder = folders[head]
+                if folder not in listed:
                     try:
-                        listed[path.parent] = {e.name for e in os.scandir(path.parent) if e.is_file()}
+                        listed[folder] = {e.name for e in os.scandir(folder) if e.is_file()}
                     except OSError:
-                        listed[path.parent] = set()
-                if path.name not in listed[path.parent]:
-                    where = path.name if key.startswith(f"{SHARDS_DIR}/") else path
+                        listed[folder] = set()
+                if name not in listed[folder]:
+                    where = name if key.startswith(f"{SHARDS_DIR}/") else self._local(key)
                     raise DatasetError(f"{self.root}: shard file {where} is missing")
 
 
