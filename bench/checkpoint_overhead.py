@@ -240,12 +240,14 @@ def _calibrate(model: Any, optim: Any, first: Any) -> tuple[float, float]:
 
 
 def _rounds(model: Any, optim: Any, objs: dict[str, Any], k: int, rounds: int, saves: int,
-            quiet_wait: float) -> dict:
+            quiet_wait: float, step_no: list[int]) -> dict:
     """Adjacent windows of ``k * saves`` steps, savers in a rotating order; per saver the :func:`compare` rows,
-    and per round what the other processes used of the cores before and during it."""
+    and per round what the other processes used of the cores before and during it. ``step_no``: the last step
+    number saved, counted on across cadences (a Checkpointer given a step below its last commit warns that it
+    superseded the later ones)."""
     from bench.quiet import during, read_sample, wait_quiet
 
-    names, rows, quiet, step_no = list(objs), {n: [] for n in objs}, [], [1000]
+    names, rows, quiet = list(objs), {n: [] for n in objs}, []
     for r in range(rounds):
         before = wait_quiet(max_wait=quiet_wait)
         start = read_sample()
@@ -280,7 +282,7 @@ RECALIBRATE = 1.5
 
 
 def _cadence(model: Any, optim: Any, objs: dict[str, Any], factor: float, step_s: float, write_s: float,
-             every: int | None, args: tuple[int, int, float]) -> tuple[dict, float]:
+             every: int | None, args: tuple[int, int, float], step_no: list[int]) -> tuple[dict, float]:
     """One cadence's rounds (``args``: rounds, saves per round, quiet wait) and each saver's summary; measured
     again with K from the windows' own write time when the first saver's writes there took longer than
     :data:`RECALIBRATE` x ``write_s``. Returns the cadence's record and the write time the next cadence's K comes
@@ -291,7 +293,7 @@ def _cadence(model: Any, optim: Any, objs: dict[str, Any], factor: float, step_s
         k = every or cadence(step_s, write_s, factor)
         for obj in objs.values():
             obj.writes.clear()
-        got = _rounds(model, optim, objs, k, rounds, saves, quiet_wait)
+        got = _rounds(model, optim, objs, k, rounds, saves, quiet_wait, step_no)
         seen = statistics.median(objs[first].writes) if objs[first].writes else write_s
         if every or recalibrated_from is not None or seen <= RECALIBRATE * write_s:
             break
@@ -327,9 +329,10 @@ def measure(work: Path, size_mib: int = 512, rounds: int = 3, savers: tuple[str,
         step_s, write_s = _calibrate(model, optim, objs[savers[0]])
         out = {"size_mib": round(state_mib(model, optim)), "step_s": step_s, "write_s": write_s, "rounds": rounds,
                "saves_per_round": saves_per_round, "cadences": {}}
+        step_no = [1000]  # above the warm-up's and the calibration's steps; counted on by every cadence's windows
         for factor in sorted(factors, reverse=True):  # the widest first: its windows time writes between steps
             out["cadences"][f"{factor:g}x"], write_s = _cadence(model, optim, objs, factor, step_s, write_s, every,
-                                                                (rounds, saves_per_round, quiet_wait))
+                                                                (rounds, saves_per_round, quiet_wait), step_no)
         for obj in objs.values():
             obj.close()
         return out

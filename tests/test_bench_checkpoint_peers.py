@@ -104,10 +104,11 @@ class _TimedWriter:
     """A saver whose background writes report ``write_s`` each (what the windows see)."""
 
     def __init__(self, write_s: float):
-        self.write_s, self.writes, self.saves = write_s, [], 0
+        self.write_s, self.writes, self.saves, self.steps = write_s, [], 0, []
 
     def save(self, step: int) -> None:
         self.saves += 1
+        self.steps.append(step)
 
     def finish(self) -> None:
         self.writes.append(self.write_s)
@@ -123,12 +124,27 @@ def test_a_cadence_whose_writes_took_longer_than_the_calibration_is_measured_aga
 
     model, optim = build(1)
     saver = _TimedWriter(seen)
-    got, next_write = _cadence(model, optim, {"w": saver}, 1.0, step_s=0.5, write_s=0.2, every=None, args=(1, 1, 0.0))
+    got, next_write = _cadence(model, optim, {"w": saver}, 1.0, step_s=0.5, write_s=0.2, every=None, args=(1, 1, 0.0),
+                               step_no=[1000])
     assert got["write_s"] == (seen if again else 0.2) and got["windows_write_s"] == seen
     assert next_write == max(seen, 0.2)
     assert got["every"] == (2 if again else 1)  # K x 0.5 s >= 1.0 s, or >= 0.2 s
     assert ("recalibrated_from_write_s" in got) is again and got.get("recalibrated_from_write_s", 0.2) == 0.2
     assert saver.saves == (2 if again else 1) and len(got["savers"]["w"]["ratios"]) == 1
+
+
+def test_the_step_numbers_saved_rise_across_cadences():
+    """Each cadence's windows go on from the step the one before saved last: a Checkpointer given a step below its
+    last commit warns that it superseded the later ones (and the bench timed that bookkeeping)."""
+    from bench.checkpoint_overhead import _cadence
+    from bench.model import build
+
+    model, optim = build(1)
+    saver, step_no = _TimedWriter(0.01), [1000]
+    for factor in (4.0, 1.0):
+        _cadence(model, optim, {"w": saver}, factor, step_s=0.01, write_s=0.01, every=2, args=(2, 1, 0.0),
+                 step_no=step_no)
+    assert len(saver.steps) == 4 and saver.steps == sorted(set(saver.steps)) and saver.steps[0] > 1000
 
 
 def test_cpu_per_gib_counts_user_and_system_time_apart(tmp_path):
