@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -22,8 +23,12 @@ from torch.distributed import TCPStore
 from torchft import Manager, ProcessGroupGloo
 
 LOOPBACK = {"GLOO_SOCKET_IFNAME": "lo"}
-_ASKED: set[int] = set()  # the Managers (by id) that started a quorum in steps()
-_HOUSE: dict[int, str] = {}  # each Manager's (by id) lighthouse address, from manager()
+# The Managers that started a quorum in steps(), and each Manager's lighthouse address (from manager()), held
+# weakly: not by id(), which a Manager made after an earlier one was freed can reuse. A reused id once made a new
+# group look as if it had asked before: it asked after its peer instead of before, the peer got a quorum alone,
+# and the new group's quorum never came (torchft's "Timeout expired" after 30 s, in `make test`).
+_ASKED: weakref.WeakSet[Manager] = weakref.WeakSet()
+_HOUSE: weakref.WeakKeyDictionary[Manager, str] = weakref.WeakKeyDictionary()
 
 # The lighthouse's process: torchft's extension module loaded from its file (not the torchft package, which imports
 # torch: ~1 s), a LighthouseServer on 127.0.0.1, its address on stdout, shut down when stdin closes.
@@ -88,7 +93,7 @@ def manager(store_port: int, lighthouse_addr: str, group: int, rank: int = 0, wo
                    lighthouse_addr=lighthouse_addr, replica_id=f"group{group}", hostname="127.0.0.1",
                    timeout=timedelta(seconds=timeout_s), quorum_timeout=timedelta(seconds=30),
                    connect_timeout=timedelta(seconds=10), init_sync=False, **kw)
-    _HOUSE[id(made)] = lighthouse_addr
+    _HOUSE[made] = lighthouse_addr
     return made
 
 
@@ -129,16 +134,16 @@ def steps(loaders: list[tuple[Manager, Any]], count: int, commit: Callable[[int]
     out = []
     its = [iter(loader) for _, loader in loaders]
     for _ in range(count):
-        quorum = lighthouse_status(_HOUSE[id(loaders[0][0])])[0] if len(loaders) > 1 else 0
+        quorum = lighthouse_status(_HOUSE[loaders[0][0]])[0] if len(loaders) > 1 else 0
         with ThreadPoolExecutor(len(loaders)) as pool:
             started = []
-            for k, (m, _) in enumerate(sorted(loaders, key=lambda ml: id(ml[0]) in _ASKED)):
+            for k, (m, _) in enumerate(sorted(loaders, key=lambda ml: ml[0] in _ASKED)):
                 started.append(pool.submit(m.start_quorum) if not m._use_async_quorum else None)
                 if started[-1] is None:
                     m.start_quorum()
-                if id(m) not in _ASKED and len(loaders) > 1:
-                    wait_asked(_HOUSE[id(m)], k + 1, quorum)  # its request reaches the lighthouse before the others'
-                _ASKED.add(id(m))
+                if m not in _ASKED and len(loaders) > 1:
+                    wait_asked(_HOUSE[m], k + 1, quorum)  # its request reaches the lighthouse before the others'
+                _ASKED.add(m)
             for future in started:
                 if future is not None:
                     future.result(timeout=60)
