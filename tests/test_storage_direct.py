@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
+from fastio.checkpoint.staging import Stager
 from fastio.storage import direct
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
@@ -184,3 +185,25 @@ def test_from_the_second_save_on_the_staged_bytes_are_written_from_where_they_ar
         ckpt.save(2, app, blocking=True)
     direct_files = {k: v for k, v in _files(tmp_path / "direct").items() if k.startswith("step-2/")}
     assert direct_files == {k: v for k, v in _files(tmp_path / "buffered").items() if k.startswith("step-2/")} != {}
+
+
+def test_the_stager_places_its_buffers_as_the_writer_asks():
+    """Placed buffers start at a page boundary, or as far past one as the last write asked (an address in a buffer ->
+    where it should have been), hold the state's values, are kept while asked nothing new, and are plain torch
+    buffers again without placements; a phase the dtype cannot start at leaves a plain buffer, not made anew at every
+    save."""
+    align = direct.ALIGN
+    state = {"m": {"w": torch.randn(100_000), "small": torch.zeros(3)}}
+    stager = Stager()
+    first = stager.stage(state, placements={})["m"]
+    assert first["w"].data_ptr() % align == 0 and torch.equal(first["w"], state["m"]["w"])
+    assert first["small"].untyped_storage().nbytes() == 12  # below PLACE_BYTES: as torch allocates it
+    moved = stager.stage(state, placements={first["w"].data_ptr() + 8: 20})["m"]["w"]
+    assert moved.data_ptr() % align == 12 and torch.equal(moved, state["m"]["w"])
+    assert stager.stage(state, placements={})["m"]["w"].data_ptr() == moved.data_ptr()  # kept
+    plain = stager.stage(state)["m"]["w"]
+    assert plain.untyped_storage().nbytes() == plain.nbytes and torch.equal(plain, state["m"]["w"])
+    stager.stage(state, placements={})
+    odd = stager.stage(state, placements={stager._buffers["m/w"].data_ptr(): 2})["m"]["w"]  # no float32 starts there
+    assert torch.equal(odd, state["m"]["w"])
+    assert stager.stage(state, placements={odd.data_ptr(): 2})["m"]["w"].data_ptr() == odd.data_ptr()

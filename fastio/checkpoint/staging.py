@@ -152,7 +152,8 @@ class Stager:
     def _wanted(self, placements: Mapping[int, int]) -> dict[str, int]:
         """``placements`` (addresses in this stager's buffers -> their wanted phase) as path -> the phase its buffer's
         start should have; addresses in no buffer are ignored, the first one asked of a buffer counts."""
-        starts = sorted((buf.data_ptr(), buf.data_ptr() + buf.nbytes, path) for path, buf in self._buffers.items())
+        starts = sorted((buf.data_ptr(), buf.data_ptr() + buf.nbytes, path) for path, buf in self._buffers.items()
+                        if type(buf) is torch.Tensor)  # a DTensor's buffer is never placed
         keys = [start for start, _, _ in starts]
         out: dict[str, int] = {}
         for address, phase in placements.items():
