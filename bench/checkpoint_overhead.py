@@ -14,9 +14,11 @@ Before each round it waits for a quiet machine (:mod:`bench.quiet`, ``quiet_wait
 what the other processes used during it.
 
 Savers: ``fastio`` (the Checkpointer as configured by default), ``fastio:KEY=VALUE`` variants (CheckpointConfig
-options, and the torchsnapshot engine's ``streams`` and ``slab_bytes``), ``dcp_process``
-(``torch.distributed.checkpoint.async_save`` with ``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, used
-directly; waits for the previous save before the next, as the Checkpointer does) and ``minimal``
+options, and the torchsnapshot engine's ``streams`` and ``slab_bytes``; ``placed=false``: staging buffers as torch
+allocates them, every byte of a direct write copied through the aligned chunks, as before the buffers were placed),
+``dcp_process`` (``torch.distributed.checkpoint.async_save`` with
+``async_checkpointer_type=AsyncCheckpointerType.PROCESS``, used directly; waits for the previous save before the
+next, as the Checkpointer does) and ``minimal``
 (:class:`bench.checkpoint_peers.MinimalWriter`: stage, then hash, one file, fsync, rename).
 
     python -m bench.checkpoint_overhead [--size-mib 512] [--rounds 3] [--factor 1 --factor 4] [--saver minimal]
@@ -65,7 +67,13 @@ class _Fastio:
         # every save, so savers interleaved in one process each write with their own (default: the shipped value)
         self.streams = options.pop("streams", torchsnapshot_engine.WRITE_STREAMS)
         self.slab_bytes = options.pop("slab_bytes", torchsnapshot_engine.SLAB_BYTES)  # the same for SLAB_BYTES
+        placed = options.pop("placed", True)
         self.ckpt = Checkpointer(root, keep=1, signals=(), **options)
+        if not placed:  # the engine made here, the Checkpointer's from its first save on (a bench may look)
+            from fastio.checkpoint.engines import get_engine
+
+            engine = self.ckpt._engines["torchsnapshot"] = get_engine("torchsnapshot")
+            engine.placements = lambda: None
         self.app, self.writes = app, []
 
     def save(self, step: int) -> None:

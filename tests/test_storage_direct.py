@@ -5,14 +5,17 @@ gets the checkpoint written through the page cache instead of a failed save."""
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 import sys
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 
 from fastio.checkpoint import Checkpointer
+from fastio.checkpoint.staging import Stager
 from fastio.storage import direct
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
@@ -47,6 +50,42 @@ def test_a_direct_file_holds_exactly_the_bytes_written(tmp_path, sizes):
     finally:
         os.close(fd)
     assert path.read_bytes() == b"".join(pieces)
+
+
+def test_placed_bytes_are_written_from_where_they_are(tmp_path):
+    """Bytes whose address lies as far past a page boundary as their file offset are written from where they are: only
+    the head before the first block boundary and the tail after the last go through the aligned buffers; bytes placed
+    otherwise are copied whole, and a run of ``PLACE_BYTES`` or more is reported with the phase it wanted."""
+    align = direct.ALIGN
+    memory = mmap.mmap(-1, 64 * align)  # page-aligned
+    data = np.frombuffer(memory, dtype=np.uint8)
+    data[:] = np.random.default_rng(0).integers(0, 256, data.size, dtype=np.uint8)
+    whole = memoryview(memory)
+    pieces = [whole[0:5], whole[5:5 + 20 * align], whole[100:100 + 17 * align + 3], whole[align:3 * align]]
+    path = tmp_path / "f"
+    fd = direct.open_direct(str(path))
+    if fd is None:
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
+    try:
+        out = direct.DirectFile(fd)
+        try:
+            for piece in pieces:
+                out.write(piece)
+            assert out.finish() == sum(p.nbytes for p in pieces)
+        finally:
+            out.close()
+    finally:
+        os.close(fd)
+    assert path.read_bytes() == b"".join(bytes(p) for p in pieces)
+    # 5 (no block), 20 blocks at phase 5: head 4091 + tail 5 copied; then two pieces placed otherwise, copied whole
+    assert out.copied == 5 + (align - 5) + 5 + (17 * align + 3) + 2 * align
+    third = np.frombuffer(pieces[2], dtype=np.uint8).ctypes.data
+    assert out.misplaced == [(third, 17 * align + 3, 5)]  # the fourth is below PLACE_BYTES: not reported
+    del data
+    for piece in pieces:
+        piece.release()
+    whole.release()
+    memory.close()
 
 
 def test_an_error_of_a_chunk_write_is_raised_by_finish(tmp_path):
@@ -119,3 +158,52 @@ def test_a_file_system_refusing_direct_writes_gets_the_files_through_the_page_ca
         assert ckpt.steps() == [3]
     assert refused  # the direct write was tried
     assert _files(tmp_path / "refused") == _files(tmp_path / "buffered") != {}
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
+def test_from_the_second_save_on_the_staged_bytes_are_written_from_where_they_are(tmp_path):
+    """The Stager places its buffers as their bytes' offsets in the files (the first save tells where the slab files
+    put them): from the second save on, only the tensors below ``PLACE_BYTES`` and each placed tensor's unaligned head
+    and tail go through the aligned buffers. The files are still a buffered save's, byte for byte, and hold the state
+    as staged (a training step between the saves is in the second one)."""
+    model, optim = _app()
+    app = {"model": model, "optim": optim}
+    with Checkpointer(tmp_path / "direct", signals=(), engine="torchsnapshot") as ckpt:
+        ckpt.save(1, app, blocking=True)
+        engine = ckpt._engines["torchsnapshot"]
+        first = engine.direct_copied
+        model(torch.randn(2, 300)).sum().backward()
+        optim.step()
+        ckpt.save(2, app, blocking=True)
+        sizes = [buf.nbytes for buf in ckpt._stager._buffers.values()]
+    placed = [n for n in sizes if n >= direct.PLACE_BYTES]
+    assert placed and engine.direct_bytes >= sum(sizes) > sum(placed)  # every staged byte went past the page cache
+    bound = engine.direct_bytes - sum(placed) + 2 * direct.ALIGN * len(placed)  # (and the pickled objects' files)
+    assert engine.direct_copied <= bound < first, (engine.direct_copied, bound, first)
+    assert engine.placements() == {}  # nothing left to place
+    with Checkpointer(tmp_path / "buffered", signals=(), engine="torchsnapshot", direct_writes=False) as ckpt:
+        ckpt.save(2, app, blocking=True)
+    direct_files = {k: v for k, v in _files(tmp_path / "direct").items() if k.startswith("step-2/")}
+    assert direct_files == {k: v for k, v in _files(tmp_path / "buffered").items() if k.startswith("step-2/")} != {}
+
+
+def test_the_stager_places_its_buffers_as_the_writer_asks():
+    """Placed buffers start at a page boundary, or as far past one as the last write asked (an address in a buffer ->
+    where it should have been), hold the state's values, are kept while asked nothing new, and are plain torch
+    buffers again without placements; a phase the dtype cannot start at leaves a plain buffer, not made anew at every
+    save."""
+    align = direct.ALIGN
+    state = {"m": {"w": torch.randn(100_000), "small": torch.zeros(3)}}
+    stager = Stager()
+    first = stager.stage(state, placements={})["m"]
+    assert first["w"].data_ptr() % align == 0 and torch.equal(first["w"], state["m"]["w"])
+    assert first["small"].untyped_storage().nbytes() == 12  # below PLACE_BYTES: as torch allocates it
+    moved = stager.stage(state, placements={first["w"].data_ptr() + 8: 20})["m"]["w"]
+    assert moved.data_ptr() % align == 12 and torch.equal(moved, state["m"]["w"])
+    assert stager.stage(state, placements={})["m"]["w"].data_ptr() == moved.data_ptr()  # kept
+    plain = stager.stage(state)["m"]["w"]
+    assert plain.untyped_storage().nbytes() == plain.nbytes and torch.equal(plain, state["m"]["w"])
+    stager.stage(state, placements={})
+    odd = stager.stage(state, placements={stager._buffers["m/w"].data_ptr(): 2})["m"]["w"]  # no float32 starts there
+    assert torch.equal(odd, state["m"]["w"])
+    assert stager.stage(state, placements={odd.data_ptr(): 2})["m"]["w"].data_ptr() == odd.data_ptr()

@@ -587,7 +587,8 @@ class Checkpointer:
             progress = self._progress(states, metrics, epoch)
             states[RNG_KEY] = rng
             shapes.extend(agree.global_shapes(states, global_keys))
-            return engine, self._stager.stage(states, engine.refusal), global_keys, progress
+            placements = engine.placements() if self._direct_writes() else None
+            return engine, self._stager.stage(states, engine.refusal, placements), global_keys, progress
 
         try:
             engine, staged, global_keys, progress = self._ranks.run("stage", stage)

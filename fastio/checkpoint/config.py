@@ -83,15 +83,16 @@ class CheckpointConfig:
     caller's); 0 leaves its priority alone. Off by default: see the checkpoint section of docs/performance.md."""
 
     direct_writes: bool = True
-    """The torchsnapshot engine writes its data files past the page cache (Linux ``O_DIRECT``, in aligned 8 MiB chunks
-    copied from the staged state: :mod:`fastio.storage.direct`) where the file system takes it, else through the
-    page cache as with False. A buffered write fills fresh page-cache pages with every byte, and the kernel's work
-    for them was most of the write's CPU on the background core (on a 2-core VM: 528 MiB in 0.43-2.2 s, 0.7 s of
-    system CPU, against 0.47-0.73 s and 0.06 s direct; see the checkpoint section of docs/performance.md). The cost:
-    a restore right after a save on the same host reads the files from the disk, not from memory (528 MiB there:
-    0.62 s against 0.35 s). Not used with ``compression`` (the files are read back to compress them), with an
-    ``s3://`` dir (read back to upload them), nor by the DCP engine (DCP writes each tensor through ``torch.save``
-    in small pieces)."""
+    """The torchsnapshot engine writes its data files past the page cache (Linux ``O_DIRECT``:
+    :mod:`fastio.storage.direct`; from the staged buffers themselves, which the staging places in memory as their
+    bytes lie in the files, learnt at the first save, which copies them through aligned 8 MiB chunks) where the file
+    system takes it, else through the page cache as with False. A buffered write fills fresh page-cache pages with
+    every byte, and the kernel's work for them was most of the write's CPU on the background core (on a 2-core VM:
+    528 MiB in 0.43-2.2 s, 0.7 s of system CPU, against 0.47-0.73 s and 0.06 s direct; see the checkpoint section
+    of docs/performance.md). The cost: a restore right after a save on the same host reads the files from the disk,
+    not from memory (528 MiB there: 0.62 s against 0.35 s). Not used with ``compression`` (the files are read back
+    to compress them), with an ``s3://`` dir (read back to upload them), nor by the DCP engine (DCP writes each
+    tensor through ``torch.save`` in small pieces)."""
 
     staging_dir: str | Path | None = None
     """With an ``s3://`` dir: the local directory checkpoints are written in before they are uploaded

@@ -7,6 +7,14 @@ everything else; the write then reads only from the stager's buffers, which are 
 until that write has finished (the Checkpointer keeps one save in flight). CPU tensors are copied
 before ``stage`` returns; GPU tensors are queued as stream-ordered copies that the writer waits for.
 
+For an engine that writes past the page cache (``O_DIRECT``, :mod:`fastio.storage.direct`), buffers are *placed*:
+a buffer of :data:`~fastio.storage.direct.PLACE_BYTES` or more starts at a page boundary, or as far past one as the
+engine asked (its bytes' offset in their file, modulo :data:`~fastio.storage.direct.ALIGN`, which the engine learns
+at a write: a tensor in a slab file), so that the write hands the device the buffer itself, copying only the unaligned
+head and tail. A placed buffer is a view into an allocation :data:`~fastio.storage.direct.ALIGN` bytes larger (pinned
+as the other buffers are: the CUDA host allocator's blocks are page-aligned anyway, the offset is taken from the
+address).
+
 A ``DTensor`` (FSDP2, tensor parallel) is staged by its local shard: the buffer is a CPU DTensor with the
 original's mesh, placements and global shape, whose local tensor is refilled on every save, so the engine
 (DCP) writes the same shard of the same global tensor. (Its buffer is not pinned: torch has no public way
@@ -15,14 +23,16 @@ to build a DTensor over a pinned local tensor of another device than its mesh's.
 
 from __future__ import annotations
 
+import bisect
 import copy
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from fastio.errors import CheckpointError
+from fastio.storage.direct import ALIGN, PLACE_BYTES
 
 __all__ = ["Frozen", "Stager"]
 
@@ -48,6 +58,20 @@ def _refuse_subclass(t: torch.Tensor, path: str) -> None:
     raise CheckpointError(
         f"state key {path!r}: cannot checkpoint a tensor subclass {type(t).__module__}.{type(t).__qualname__} "
         "(no engine restores it as its class; save its plain data, t.as_subclass(torch.Tensor), or its parts)")
+
+
+def _placed(t: torch.Tensor, pin: bool, phase: int) -> torch.Tensor | None:
+    """An empty CPU tensor like ``t`` whose data starts ``phase`` bytes past a page boundary: a view into a byte
+    allocation :data:`~fastio.storage.direct.ALIGN` larger; None where ``phase`` is no multiple of its element
+    size."""
+    size = t.element_size()
+    if phase % size:
+        return None
+    raw = torch.empty(t.nelement() * size + ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    skip = (phase - raw.data_ptr()) % ALIGN
+    if skip % size:
+        return None
+    return raw[skip:skip + t.nelement() * size].view(t.dtype).view(t.shape)
 
 
 class Frozen:
@@ -77,25 +101,33 @@ class Stager:
 
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
+        self._phases: dict[str, int | None] = {}  # path -> the phase asked of its buffer (None: not placed)
+        self._placements: Mapping[int, int] | None = None
         self._events: list = []
         self._refusal: Callable[[torch.Tensor], str | None] | None = None
         self._paths: set[str] = set()
 
     def release(self) -> None:
         self._buffers.clear()
+        self._phases.clear()
 
-    def stage(self, states: dict[str, Any], refusal: Callable[[torch.Tensor], str | None] | None = None
-              ) -> dict[str, Any]:
+    def stage(self, states: dict[str, Any], refusal: Callable[[torch.Tensor], str | None] | None = None,
+              placements: Mapping[int, int] | None = None) -> dict[str, Any]:
         """Return a copy of ``states`` (a dict of state_dicts) that later changes to the originals cannot reach.
         ``refusal``: why the engine cannot write a tensor (None when it can): a CheckpointError naming its key path,
-        before anything is copied."""
+        before anything is copied. ``placements``: None for buffers as torch allocates them; else buffers of
+        :data:`~fastio.storage.direct.PLACE_BYTES` or more are placed (see the module docstring), a page boundary
+        but where the mapping (an address in a buffer of the last save -> how far past a page boundary it should
+        have been) asks otherwise; a buffer placed otherwise than asked is made anew."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[str] = set()
         self._refusal = refusal
+        self._placements = None if placements is None else self._wanted(placements)
         self._paths: set[str] = set()
         out = {key: self._walk(value, key, pairs, seen) for key, value in states.items()}
         for path in set(self._buffers) - seen:
             del self._buffers[path]
+            self._phases.pop(path, None)
         devices = set()
         with torch.no_grad():
             for dst, src in pairs:
@@ -117,12 +149,31 @@ class Stager:
             event.synchronize()
         self._events = []
 
+    def _wanted(self, placements: Mapping[int, int]) -> dict[str, int]:
+        """``placements`` (addresses in this stager's buffers -> their wanted phase) as path -> the phase its buffer's
+        start should have; addresses in no buffer are ignored, the first one asked of a buffer counts."""
+        starts = sorted((buf.data_ptr(), buf.data_ptr() + buf.nbytes, path) for path, buf in self._buffers.items()
+                        if type(buf) is torch.Tensor)  # a DTensor's buffer is never placed
+        keys = [start for start, _, _ in starts]
+        out: dict[str, int] = {}
+        for address, phase in placements.items():
+            i = bisect.bisect_right(keys, address) - 1
+            if i >= 0 and address < starts[i][1]:
+                out.setdefault(starts[i][2], (phase - (address - starts[i][0])) % ALIGN)
+        return out
+
     def _buffer(self, path: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+        phase = None  # the phase asked of the buffer (kept when it cannot be had: not asked again at every save)
+        if self._placements is not None and t.nelement() * t.element_size() >= PLACE_BYTES:
+            before = self._phases.get(path)
+            phase = self._placements.get(path, 0 if before is None else before)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or self._phases.get(path) != phase:
             pin = t.is_cuda and torch.cuda.is_available()
-            buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
-            self._buffers[path] = buf
+            buf = _placed(t, pin, phase) if phase is not None else None
+            if buf is None:
+                buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin)
+            self._buffers[path], self._phases[path] = buf, phase
         return buf
 
     def _dtensor_buffer(self, path: str, t: Any) -> Any:

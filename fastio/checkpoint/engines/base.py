@@ -136,6 +136,15 @@ class Engine(Protocol):
         written."""
         ...
 
+    def placements(self) -> dict[int, int] | None:
+        """How the staged buffers of a save written ``direct`` should lie in memory (asked before each such save's
+        staging, :meth:`fastio.checkpoint.staging.Stager.stage`): None when the engine's writes gain nothing from
+        it (buffers as torch allocates them); else a mapping, from an address in a buffer the last save wrote to how
+        far past a page boundary it should have been (its offset in its file, modulo
+        :data:`~fastio.storage.direct.ALIGN`), empty when every buffer was as its file needs or none was written
+        (buffers then start at page boundaries)."""
+        ...
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]] | None:

@@ -878,6 +878,10 @@ class DcpEngine:
         """None: DCP writes every dtype and layout a plain tensor has (non-strided ones pickled)."""
         return None
 
+    def placements(self) -> None:
+        """None: DCP writes through the page cache (its ``torch.save`` would clone a placed buffer, a view)."""
+        return None
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]]:

@@ -395,8 +395,10 @@ class _LaterErrors(FSStoragePlugin):
     the disk as it is written (``writeback``, :func:`~fastio.storage.atomic.start_writeback`, every
     :data:`_WRITEBACK_BYTES`: the commit's fsyncs then find the bytes written or on their way, instead of writing all
     of them at once); or, with ``direct``, writing each file past the page cache (:mod:`fastio.storage.direct`: the
-    bytes on the device as the write returns, no writeback to start), through the page cache where the file system
-    refuses ``O_DIRECT``.
+    bytes on the device as the write returns, no writeback to start; ``direct_bytes``: the bytes so written,
+    ``copied``: those of them that went through its
+    aligned buffers, ``misplaced``: address -> phase of the staged bytes copied for want of a placement, for the
+    Stager to place at the next save), through the page cache where the file system refuses ``O_DIRECT``.
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
@@ -407,6 +409,8 @@ class _LaterErrors(FSStoragePlugin):
         self.writeback, self.direct = writeback, direct
         self.error: Exception | None = None
         self.written: dict[str, dict[str, Any]] = {}
+        self.direct_bytes = self.copied = 0
+        self.misplaced: dict[int, int] = {}
 
     async def write(self, write_io: WriteIO) -> None:
         if self.error is not None:
@@ -457,10 +461,10 @@ class _LaterErrors(FSStoragePlugin):
             os.close(fd)
         return written_record(None, size, digest.hexdigest())
 
-    @staticmethod
-    def _write_direct(fd: int, views: list[memoryview], digest: Any) -> dict[str, Any]:
-        """:meth:`_write_file` past the page cache (:class:`~fastio.storage.direct.DirectFile`): no writeback to
-        start, the bytes are on the device as each chunk's write returns."""
+    def _write_direct(self, fd: int, views: list[memoryview], digest: Any) -> dict[str, Any]:
+        """:meth:`_write_file` past the page cache (:class:`~fastio.storage.direct.DirectFile`: the staged bytes
+        themselves where they are placed as their offsets in the file are): no writeback to start, the bytes are on
+        the device as each write returns. Runs on one thread at a time (:data:`WRITE_STREAMS`)."""
         try:
             out = DirectFile(fd)
             try:
@@ -469,6 +473,8 @@ class _LaterErrors(FSStoragePlugin):
                     digest.update(view)
                     out.write(view)
                 size = out.finish()
+                self.direct_bytes, self.copied = self.direct_bytes + size, self.copied + out.copied
+                self.misplaced.update((address, phase) for address, _, phase in out.misplaced)
             finally:
                 out.close()
         finally:
@@ -482,11 +488,11 @@ so a slab's first tensors go to the disk while its last are written."""
 
 
 def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
-          writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]]:
+          writeback: bool = True, direct: bool = False) -> _LaterErrors:
     """``Snapshot.take(path, app, pg=pg, replicated=replicated)``, step for step as torchsnapshot 0.1.0 does it,
     but through :class:`_LaterErrors`: a write error on this rank is raised after the take's last collective
     (then rank 0 writes no ``.snapshot_metadata`` of its own failure; the step is never committed anyway).
-    Returns the files this rank wrote (:attr:`_LaterErrors.written`)."""
+    Returns the storage plugin, which holds the files this rank wrote (:attr:`_LaterErrors.written`)."""
     event_loop = asyncio.new_event_loop()
     try:
         ranks = PGWrapper(pg=pg)
@@ -505,7 +511,7 @@ def _take(path: str, app: dict[str, Any], pg: Any, replicated: list[str],
         event_loop.close()
     if storage.error is not None:
         raise storage.error
-    return storage.written
+    return storage
 
 
 class _HeldView:
@@ -872,6 +878,17 @@ class TorchSnapshotEngine:
 
     name = "torchsnapshot"
 
+    def __init__(self) -> None:
+        self.direct_bytes = self.direct_copied = 0
+        """Bytes the last save wrote past the page cache, and those of them that went through the aligned buffers
+        (only each file's unaligned pieces once every staged buffer is placed as its file offset)."""
+        self._misplaced: dict[int, int] = {}
+
+    def placements(self) -> dict[int, int]:
+        """Where the last save's direct writes found staged bytes placed otherwise than their file offsets (a tensor
+        in a slab file: its offset there), address -> its wanted phase (see ``Engine.placements``)."""
+        return dict(self._misplaced)
+
     def prepare(self, app: dict[str, Any]) -> tuple[dict[str, Stateful], frozenset[str]]:
         """The app as it is: torchsnapshot calls ``state_dict``/``load_state_dict`` itself; nothing is global
         (replication is said by the ``replicated`` globs instead)."""
@@ -907,7 +924,9 @@ class TorchSnapshotEngine:
         """
         app = {key: Frozen(state) for key, state in states.items()}
         with _write_settings():
-            return _take(str(path), app, pg, list(replicated), writeback, direct)
+            storage = _take(str(path), app, pg, list(replicated), writeback, direct)
+        self.direct_bytes, self.direct_copied, self._misplaced = storage.direct_bytes, storage.copied, storage.misplaced
+        return storage.written
 
     def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
         """At the world size it was saved at, rank R reads its own state from the files under ``R/``; the files
