@@ -655,8 +655,8 @@ class Loader:
         plans = self._sampler.plan if share is None else share.plans(self._sampler.plan, cfg.batch_size)
         self._feeder = feeder = Feeder(self._reader, plans, dali_inputs(graph.feed) if graph else None, seed=cfg.seed,
                                        read_ahead=cfg.read_ahead, epoch=epoch, start=consumed,
-                                       first=cfg.prefetch)
-        feeder.start()  # the first reads overlap the pipeline build
+                                       first=cfg.prefetch, first_here=graph is not None)
+        feeder.start()  # the first batches' reads: read as they are fed (first_here), after the build
         if graph is not None:
             self._built = build_graph(graph, feeder, batch_size=self._most_per_batch * graph.per_unit,
                                       num_threads=cfg.num_threads,

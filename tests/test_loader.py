@@ -306,6 +306,55 @@ def test_until_its_first_output_the_feeder_reads_only_what_the_graphs_first_run_
         feeder.cancel()
 
 
+def test_with_first_here_the_first_batches_are_read_by_the_thread_feeding_them_as_it_feeds_them(image_dataset):
+    """Issue 45: reader threads reading beside the pipeline's build take the interpreter lock from it and back at
+    each ``pread``; with ``first_here`` the ``first`` batches are read by the thread that feeds them, when the graph
+    asks for each (nothing is read by ``start()``), the rest by the reader's threads (started beforehand), and the
+    batches are those of the plan. A deferred read cancelled before it is fed is never read."""
+    import threading
+
+    ds = Dataset(image_dataset)
+    spec = ImageTrain(size=16)
+    sampler = Sampler(SamplerSpec(seed=2, batch_size=8), [s.samples for s in ds.shards], ds.fingerprint)
+    here = threading.get_ident()
+
+    class Recording(Reader):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.read_by: list[tuple[int, bool]] = []  # (first index of the batch, read by this test's thread)
+
+        def read_batch(self, indices):
+            self.read_by.append((int(indices[0]), threading.get_ident() == here))
+            return super().read_batch(indices)
+
+    before = set(threading.enumerate())
+    with Recording(ds, [], threads=2, image=("jpg",), sizes=True) as reader:
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=2, first_here=True)
+        feeder.start()
+        assert reader.read_by == [] and not feeder.next_is_read()  # nothing read yet: read when fed
+        started = [t for t in set(threading.enumerate()) - before if t.name.startswith("fastio-read")]
+        assert len(started) == 2  # the reader's threads, started for the reads after those
+        built = build_graph(spec.graph(), feeder, batch_size=8, num_threads=1, device="cpu", device_id=None, prefetch=2)
+        outputs = [dict(zip(built.outputs, built.pipe.run()))]
+        fed = [feeder.delivered()]
+        for _ in range(3):
+            outputs.append(dict(zip(built.outputs, built.pipe.run())))
+            fed.append(feeder.delivered())
+        plan = sampler.plan(0)
+        starts = [int(plan.batch(g)[0][0]) for g in range(6)]
+        assert reader.read_by[:2] == [(starts[0], True), (starts[1], True)]  # fed by DALI's run() in this thread
+        assert {start: mine for start, mine in reader.read_by[2:]} == {start: False for start in starts[2:6]}
+        for g, (out, f) in enumerate(zip(outputs, fed)):
+            assert out["index"].as_array().reshape(-1).tolist() == f.indices.tolist() == plan.batch(g)[0].tolist()
+        feeder.cancel()
+        del built
+        feeder = Feeder(reader, sampler.plan, spec.graph().feed, seed=2, read_ahead=3, first=2, first_here=True)
+        feeder.start()
+        read = len(reader.read_by)
+        feeder.cancel()
+        assert len(reader.read_by) == read  # never read
+
+
 @dataclasses.dataclass(frozen=True)
 class _CountingFeeds(ImageTrain):
     """ImageTrain that counts the batches fed to its graph (``feed`` runs once per batch fed)."""

@@ -201,7 +201,9 @@ class Reader:
         self._key_lock = threading.Lock()  # guards _key_locks
         self._key_locks: dict[int, threading.Lock] = {}  # shard -> held by the one thread reading its key CRCs
         self._fds = _Descriptors()
+        self._threads = threads
         self._pool = ThreadPoolExecutor(threads, thread_name_prefix="fastio-read")
+        self._starting: threading.Barrier | None = None  # the pool's threads started ahead of use (deferred)
         # A reader dropped without close() still releases its threads and file descriptors.
         self._finalizer = weakref.finalize(self, _release, self._pool, self._fds, files)
 
@@ -212,6 +214,8 @@ class Reader:
         self.close()
 
     def close(self) -> None:
+        if self._starting is not None:  # a thread still waiting for the others to start stops waiting
+            self._starting.abort()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self._finalizer()
 
@@ -225,6 +229,18 @@ class Reader:
     def submit(self, indices: np.ndarray) -> Future:
         """Start reading a batch in the pool; the future's result is a :class:`ReadBatch`."""
         return self._pool.submit(self.read_batch, np.asarray(indices, dtype=np.int64))
+
+    def deferred(self, indices: np.ndarray) -> Future:
+        """A batch's read that runs in the thread that first asks for its result, when it asks (the Loader's first
+        batches: read as they are fed, by the thread feeding them, while no other thread of the reader takes the
+        interpreter lock from it; issue 45). The pool's threads are started now, each waiting for the others
+        (never running a read meanwhile), so that the later reads find them started: a thread started under a busy
+        interpreter lock holds up the one starting it."""
+        if self._starting is None:
+            self._starting = threading.Barrier(self._threads)
+            for _ in range(self._threads):  # no thread is idle while the others wait: each wait gets its own
+                self._pool.submit(_started, self._starting)
+        return _Deferred(self.read_batch, np.asarray(indices, dtype=np.int64))
 
     def read(self, indices: np.ndarray) -> dict[str, list[np.ndarray]]:
         return self.read_batch(np.asarray(indices, dtype=np.int64)).fields
@@ -510,6 +526,37 @@ class _Descriptors:
             for fd in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+
+
+class _Deferred(Future):
+    """A future whose work runs in the thread that first asks for its result (:meth:`Reader.deferred`); cancelled
+    before that, it never runs."""
+
+    def __init__(self, work: Callable[[np.ndarray], ReadBatch], indices: np.ndarray):
+        super().__init__()
+        self._work: Callable[[np.ndarray], ReadBatch] | None = work
+        self._indices = indices
+        self._claim = threading.Lock()  # taken by the one thread that runs the work
+
+    def result(self, timeout: float | None = None) -> ReadBatch:
+        with self._claim:
+            work, self._work = self._work, None
+        if work is not None and self.set_running_or_notify_cancel():  # False: cancelled (raised below)
+            try:
+                self.set_result(work(self._indices))
+            except BaseException as err:  # raised by super().result(), as a pool read's error would be
+                self.set_exception(err)
+            finally:
+                self._indices = None
+        return super().result(timeout)
+
+
+def _started(barrier: threading.Barrier) -> None:
+    """A pool task that returns once every thread of the pool has started (or the reader closed)."""
+    try:
+        barrier.wait()
+    except threading.BrokenBarrierError:
+        pass
 
 
 def _first_uses(shard_of: Callable[[np.ndarray], np.ndarray], batches: Iterable[np.ndarray],
