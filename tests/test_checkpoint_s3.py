@@ -913,7 +913,7 @@ def _requests_by_kind(requests: list[tuple[str, str]], bucket: str) -> Counter:
     return out
 
 
-def test_a_steady_save_and_a_retention_cost_few_requests(moto_server, s3_bucket, fault_proxy, tmp_path):
+def test_a_steady_save_a_retention_and_a_restore_cost_few_requests(moto_server, s3_bucket, fault_proxy, tmp_path):
     # each request costs 10-50 ms on S3: the rollback record is read once per save (not by each of the rollback's
     # start, finish and the upload's listing), the store listed once before the upload (not again by the upload),
     # the step's prefix once (whether it is superseded, and make_room), and a retained step's objects deleted as
@@ -937,3 +937,12 @@ def test_a_steady_save_and_a_retention_cost_few_requests(moto_server, s3_bucket,
     assert seen[2]["POST", ""] == 0 and seen[3]["LIST", "ckpt/step-1/"] == 0
     step_1 = [k for (method, k), n in seen[2].items() if method == "PUT" and k.startswith("ckpt/step-2/")]
     assert seen[3]["POST", ""] == len(step_1), seen[3]  # one delete per object of step 1, marker first
+    # a restore on a fresh node reads the rollback record once (not again to drop a rollback's steps) and lists once
+    fault_proxy.requests.clear()
+    with Checkpointer(url, storage_options=moto_server.options(fault_proxy.endpoint), staging_dir=tmp_path / "fresh",
+                      signals=()) as ckpt:
+        construct = len(fault_proxy.requests)
+        assert ckpt.restore_latest(make_app(seed=1)).step == 3
+        restore = _requests_by_kind(fault_proxy.requests[construct:], s3_bucket)
+    assert restore["HEAD", "ckpt/fastio-rollback.json"] == 1 and restore["LIST", "ckpt/"] == 1, restore
+    assert restore["LIST", "ckpt/step-3/"] == 1 and restore["GET", "ckpt/step-3/fastio-commit.json"] == 1, restore

@@ -516,10 +516,14 @@ class RemoteCheckpoints:
         """The store's committed steps, oldest first, less those of a rollback in progress on the store (``pending``:
         its steps when the caller has just read its record, else it is read) and those a rollback staged in the
         staging dir supersedes (:meth:`_live`); all it lists is remembered as what the store holds."""
+        return self.listing(pending)[0]
+
+    def listing(self, pending: frozenset[int] | None = None) -> tuple[list[int], frozenset[int]]:
+        """:meth:`committed_steps`, and the steps of the rollback in progress on the store (read once for both)."""
         doomed = self.pending_rollback() if pending is None else pending
         steps = {s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed}
         self._known = set(steps)
-        return sorted(self._live(steps))
+        return sorted(self._live(steps)), doomed
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
