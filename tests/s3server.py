@@ -107,7 +107,8 @@ class FaultProxy:
     ``forbidden`` (a set of path substrings) answers 403 AccessDenied, always; ``gone`` answers a GET or HEAD
     404 NoSuchKey (an object listed, then deleted); ``down`` answers 503 SlowDown, always (an outage of those
     keys). ``drop_headers`` (lower-case request header names) are not passed on: dropping ``if-none-match`` and
-    ``if-match`` makes a store that ignores conditional writes. ``counts`` tallies what was done.
+    ``if-match`` makes a store that ignores conditional writes. ``counts`` tallies what was done; ``requests`` logs
+    every request that reached the proxy as ``(method, path with query)``.
     """
 
     def __init__(self, upstream_port: int, *, slowdown: float = 0.0, cut: float = 0.0, max_faults: int = 2,
@@ -121,6 +122,7 @@ class FaultProxy:
         self.drop_headers: set[str] = set()
         self.counts: Counter = Counter()
         self._seen: Counter = Counter()
+        self.requests: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         proxy = self
 
@@ -201,6 +203,7 @@ class FaultProxy:
 
     def _decide(self, method: str, path: str, range_header: str) -> str:
         with self._lock:
+            self.requests.append((method, path))
             if any(f in path for f in self.forbidden):
                 self.counts["forbid"] += 1
                 return "forbid"

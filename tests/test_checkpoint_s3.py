@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 import http.client
 import json
+import urllib.parse
+from collections import Counter
 
 import pytest
 import torch
@@ -895,3 +897,52 @@ def test_credentials_that_expire_before_a_staged_rollback_is_applied_leave_it_st
         again.save(6, restored, blocking=True)
         assert again.steps() == [1, 3, 6]
     _assert_superseded_keeping_objects(url, options, store, abandoned, (1, 3, 6))
+
+
+def _requests_by_kind(requests: list[tuple[str, str]], bucket: str) -> Counter:
+    """``Counter`` of ``(kind, key or listed prefix)`` (kinds HEAD, GET, LIST, PUT, POST) of proxied S3 requests."""
+    out: Counter = Counter()
+    for method, path in requests:
+        split = urllib.parse.urlsplit(path)
+        query = urllib.parse.parse_qs(split.query, keep_blank_values=True)
+        key = split.path.removeprefix(f"/{bucket}").lstrip("/")  # "" for a bucket's request (POST ?delete)
+        if method == "GET" and "list-type" in query:
+            out["LIST", query.get("prefix", [""])[0]] += 1
+        else:
+            out[method, key] += 1
+    return out
+
+
+def test_a_steady_save_a_retention_and_a_restore_cost_few_requests(moto_server, s3_bucket, fault_proxy, tmp_path):
+    # each request costs 10-50 ms on S3: the rollback record is read once per save (not by each of the rollback's
+    # start, finish and the upload's listing), the store listed once before the upload (not again by the upload),
+    # the step's prefix once (whether it is superseded, and make_room), and a retained step's objects deleted as
+    # the retention's listing names them (not listed again)
+    url = f"s3://{s3_bucket}/ckpt"
+    app = make_app()
+    with Checkpointer(url, every_steps=1, keep=2, storage_options=moto_server.options(fault_proxy.endpoint),
+                      staging_dir=tmp_path / "stage", signals=()) as ckpt:
+        seen = {}
+        for step in (1, 2, 3):
+            fault_proxy.requests.clear()
+            ckpt.save(step, app, blocking=True)
+            seen[step] = _requests_by_kind(fault_proxy.requests, s3_bucket)
+        assert ckpt.steps() == [2, 3]
+    for step in (2, 3):
+        kinds = Counter(kind for kind, _ in seen[step].elements())
+        assert seen[step]["HEAD", "ckpt/fastio-rollback.json"] == 1, seen[step]
+        assert seen[step]["LIST", "ckpt/"] == 2 and seen[step]["LIST", f"ckpt/step-{step}/"] == 1, seen[step]
+        assert kinds["HEAD"] == 1 and kinds["LIST"] == 3 and kinds["GET"] == 0, seen[step]
+        assert seen[step]["PUT", "ckpt/.fastio-lock"] == (2 if step == 2 else 3), seen[step]  # + before retention
+    assert seen[2]["POST", ""] == 0 and seen[3]["LIST", "ckpt/step-1/"] == 0
+    step_1 = [k for (method, k), n in seen[2].items() if method == "PUT" and k.startswith("ckpt/step-2/")]
+    assert seen[3]["POST", ""] == len(step_1), seen[3]  # one delete per object of step 1, marker first
+    # a restore on a fresh node reads the rollback record once (not again to drop a rollback's steps) and lists once
+    fault_proxy.requests.clear()
+    with Checkpointer(url, storage_options=moto_server.options(fault_proxy.endpoint), staging_dir=tmp_path / "fresh",
+                      signals=()) as ckpt:
+        construct = len(fault_proxy.requests)
+        assert ckpt.restore_latest(make_app(seed=1)).step == 3
+        restore = _requests_by_kind(fault_proxy.requests[construct:], s3_bucket)
+    assert restore["HEAD", "ckpt/fastio-rollback.json"] == 1 and restore["LIST", "ckpt/"] == 1, restore
+    assert restore["LIST", "ckpt/step-3/"] == 1 and restore["GET", "ckpt/step-3/fastio-commit.json"] == 1, restore

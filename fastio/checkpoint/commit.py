@@ -208,9 +208,10 @@ class _Steps:
         except StorageError as err:
             raise CheckpointError(f"{self.remote.url}: cannot list checkpoints: {err}") from None
 
-    def _remote_pending(self) -> frozenset[int]:
+    def _remote_listing(self) -> tuple[list[int], frozenset[int]]:
+        """The store's committed steps and the steps of its rollback in progress (its record read once)."""
         try:
-            return self.remote.pending_rollback()
+            return self.remote.listing()
         except StorageError as err:
             raise CheckpointError(f"{self.remote.url}: cannot list checkpoints: {err}") from None
 
@@ -255,8 +256,9 @@ class LocalCommit(_Steps):
             raise CheckpointError(f"{self.root}: cannot read checkpoint directory: {err}") from None
         done = {e.step for e in entries if e.committed}
         if self.remote is not None:  # steps on the store not here yet are downloaded (and checked) when tried
-            done |= set(self._remote_steps())
-            done -= self._remote_pending()  # a rollback a kill cut short: its record outlives the local one
+            steps, pending = self._remote_listing()
+            done |= set(steps)
+            done -= pending  # a rollback a kill cut short: its record outlives the local one
         unrecognised = [(e.step, str(e.path), e.problem or "") for e in entries  # superseded: left where it is
                         if not e.committed and not e.temporary and not e.superseded and e.step not in done]
         if step is not None and step not in done:

@@ -30,8 +30,8 @@ before retention; a lost lease fails that save
 never touched.
 
 A store outage at a shared staging dir's commit: holding the lease, rank 0 knows the store's committed steps
-(listed when it took the lease, at restores and uploads), so the step is committed in the staging dir without
-the store (:meth:`RemoteCheckpoints.start_rollback`), its upload left to the
+(listed when it took the lease, at restores, and once at each commit: its upload uses that listing), so the step
+is committed in the staging dir without the store (:meth:`RemoteCheckpoints.start_rollback`), its upload left to the
 next commit or ``close()`` (:meth:`RemoteCheckpoints.upload_unsent`, which names the steps only staged when the
 store still does not answer). A rollback that must supersede steps on the store is staged with the step
 (:data:`UNSENT_RECORD`) and done on the store just before that step's upload; until then the steps it supersedes
@@ -183,6 +183,13 @@ class RemoteCheckpoints:
         self._deferred: tuple[int, set[int]] | None = None
         """This commit's rollback the outage held up: its floor and the store's steps it supersedes at the upload."""
         self._unsent = False  # a commit met an outage: steps committed in the staging dir may be missing on the store
+        self._no_record = False
+        """This commit's :meth:`start_rollback` found no rollback record on the store and wrote none: holding the lease,
+        :meth:`finish_rollback` has nothing to finish and does not read the record again."""
+        self._listed = False
+        """This commit's :meth:`start_rollback` listed the store (``_known``, less the steps its rollback supersedes):
+        :meth:`after_commit` uploads against that listing instead of listing again (the lease, confirmed before the
+        upload, shows that no other writer changed the store since)."""
 
     def bind_staging(self, *, write: bool) -> None:
         """CheckpointError when the staging directory stages another prefix's checkpoints (its
@@ -297,7 +304,7 @@ class RemoteCheckpoints:
         supersede, returns [] instead of raising: the commit goes on in the staging dir, its upload later. When the
         steps it knows on the store (:meth:`_may_defer`) hold some above ``floor``, the rollback is staged with the
         step (:meth:`record_staged`) and done on the store just before the step's upload (:meth:`_push_staged`)."""
-        self._outage, self._deferred = None, None
+        self._outage, self._deferred, self._no_record, self._listed = None, None, False, False
         try:
             doomed = rollback.start_remote_rollback(self.mirror.storage, floor, self.committed_steps, self._confirm)
         except LeaseLostError as err:
@@ -312,6 +319,8 @@ class RemoteCheckpoints:
         if self._known is not None:
             self._known -= set(doomed)
         self._stage_rollback(floor, set())
+        self._no_record = not doomed  # none was pending (those are doomed too) and none was written
+        self._listed = self._known is not None
         return doomed
 
     def _stage_rollback(self, floor: int, above: set[int]) -> None:
@@ -328,8 +337,10 @@ class RemoteCheckpoints:
         """Supersede every step the store's rollback record lists (its marker copied to ``SUPERSEDED_FILE``, then
         deleted; every other object kept), then delete the record; returns the steps it listed. Nothing (and [])
         after :meth:`start_rollback` met an outage, or when this one meets one: a record written stays on the store,
-        hiding its steps, and the next commit finishes it."""
-        if self._outage is not None:
+        hiding its steps, and the next commit finishes it. Nothing is read when this commit's :meth:`start_rollback`
+        found no record and wrote none (no other writer adds one while the lease is held)."""
+        no_record, self._no_record = self._no_record, False
+        if self._outage is not None or no_record:
             return []
         try:
             return rollback.finish_remote_rollback(self.mirror.storage, self._confirm)
@@ -357,13 +368,15 @@ class RemoteCheckpoints:
             "supersede the steps of a rollback"
         return CheckpointError(f"{self.url}: cannot {what}: {err}")
 
-    def make_room(self, step: int) -> str | None:
+    def make_room(self, step: int, objects: list | None = None) -> str | None:
         """Before a new ``step-N`` is written to the store: a superseded step of that number there is moved aside to
         ``step-N.quarantined/`` (``-2``...: each object copied through a temporary file, then deleted), not written
-        over; returns the new name (None when there was nothing to move). Only while the lease is confirmed."""
+        over; returns the new name (None when there was nothing to move). Only while the lease is confirmed.
+        ``objects``: the store's objects under ``step-N/`` when the caller has just listed them (else listed here)."""
         storage, name = self.mirror.storage, naming.step_name(step)
         try:
-            objects = storage.child(name).list()
+            if objects is None:
+                objects = storage.child(name).list()
             if not any(o.key == rollback.SUPERSEDED_FILE for o in objects):
                 return None
             self._confirm()
@@ -499,20 +512,25 @@ class RemoteCheckpoints:
         except FileNotFoundError:
             return None
 
-    def committed_steps(self) -> list[int]:
-        """The store's committed steps, oldest first, less those of a rollback in progress on the store and those a
-        rollback staged in the staging dir supersedes (:meth:`_live`); all it lists is remembered as what the store
-        holds."""
-        doomed = self.pending_rollback()
+    def committed_steps(self, pending: frozenset[int] | None = None) -> list[int]:
+        """The store's committed steps, oldest first, less those of a rollback in progress on the store (``pending``:
+        its steps when the caller has just read its record, else it is read) and those a rollback staged in the
+        staging dir supersedes (:meth:`_live`); all it lists is remembered as what the store holds."""
+        return self.listing(pending)[0]
+
+    def listing(self, pending: frozenset[int] | None = None) -> tuple[list[int], frozenset[int]]:
+        """:meth:`committed_steps`, and the steps of the rollback in progress on the store (read once for both)."""
+        doomed = self.pending_rollback() if pending is None else pending
         steps = {s for s in map(naming.parse_step_name, self.mirror.names()) if s is not None and s not in doomed}
         self._known = set(steps)
-        return sorted(self._live(steps))
+        return sorted(self._live(steps)), doomed
 
     def _retain(self, keep: int) -> None:
         """Rank 0, holding the lease: retention (older committed steps, marker first), then the leftovers of
         steps older than the newest committed one: ``step-N/`` objects without a commit marker, which a kill
         during an earlier retention (or upload) left behind. While the lease is held no other writer is
-        uploading, and such a step was never, or is no longer, a checkpoint."""
+        uploading, and such a step was never, or is no longer, a checkpoint; the one listing of the prefix names every
+        object each removal deletes."""
         listed = scan.remote_steps(self.mirror.storage)
         steps = {step: naming.COMMIT_FILE in keys for step, keys in listed.items()}
         done = sorted(s for s, marked in steps.items() if marked)
@@ -524,7 +542,7 @@ class RemoteCheckpoints:
         if old or leftovers:
             self._confirm()
         for step in old + sorted(leftovers):
-            self.mirror.remove(naming.step_name(step))
+            self.mirror.remove(naming.step_name(step), listed[step])  # its keys as just listed: not listed again
             if self._known is not None:
                 self._known.discard(step)
         if leftovers:
@@ -536,11 +554,14 @@ class RemoteCheckpoints:
         the lease (if held) is confirmed. An outage (the store unreachable past ``deadline_s``) fails nothing: one
         warning names the steps committed only in the staging dir, uploaded at the next commit or by
         :meth:`upload_unsent` (``close()``). Not tried when this commit's rollback has just met the outage: each
-        request would wait ``deadline_s`` again, and the next save waits for this one."""
+        request would wait ``deadline_s`` again, and the next save waits for this one. The store's committed steps are
+        those this commit's :meth:`start_rollback` listed (no other writer changes them while the lease holds, and
+        the lease is confirmed before the first upload)."""
+        listed, self._listed = self._listed, False
         if self._outage is not None:
             outage, self._unsent = self._outage, True
         else:
-            outage = self._upload(keep)
+            outage = self._upload(keep, listed=listed)
         if outage is not None:
             unsent = self.unsent()
             if unsent:
@@ -599,15 +620,15 @@ class RemoteCheckpoints:
             return f"step {steps} is committed only in {unsent[0]}"
         return f"steps {steps} are committed only in {self.root} ({', '.join(p.name for p in unsent)})"
 
-    def _set_aside_if_abandoned(self, path: Path, step: int) -> bool:
+    def _set_aside_if_abandoned(self, path: Path, step: int, keys: set[str]) -> bool:
         """True when staged ``step`` (``path``), which the store lacks, is of a branch the run gave up, not an upload
         pending: the store keeps it superseded with this staging dir's own commit marker (a rollback on another
-        node), or another writer committed steps since (:meth:`_continued_past`); it is moved aside
-        (``step-N.quarantined``, never deleted), with one warning."""
+        node; ``keys``: the store's keys under ``step-N/``, just listed), or another writer committed steps since
+        (:meth:`_continued_past`); it is moved aside (``step-N.quarantined``, never deleted), with one warning."""
         why = self._continued_past(step)
         sub = self.mirror.storage.child(path.name)
         try:
-            if not why and sub.head(rollback.SUPERSEDED_FILE) is not None \
+            if not why and rollback.SUPERSEDED_FILE in keys \
                     and sub.get(rollback.SUPERSEDED_FILE) == (path / naming.COMMIT_FILE).read_bytes():
                 why = [f"superseded on the store by a rollback ({rollback.SUPERSEDED_FILE} holds this staging dir's "
                        "commit marker, a step of a branch the run gave up)"]
@@ -632,13 +653,16 @@ class RemoteCheckpoints:
         rollbacks = self._staged_rollbacks(remote)
         for entry in scan.committed(self.root):
             rolled = rollbacks.get(entry.step)
-            if entry.step in remote and not (rolled and entry.step in rolled.supersedes) \
-                    or self._set_aside_if_abandoned(entry.path, entry.step):
+            if entry.step in remote and not (rolled and entry.step in rolled.supersedes):
+                continue
+            objects = self.mirror.storage.child(entry.path.name).list()  # one listing: superseded? and make_room's
+            if self._set_aside_if_abandoned(entry.path, entry.step, {o.key for o in objects}):
                 continue
             if rolled:
                 self._supersede_staged(entry.step, rolled, remote)
                 rollbacks = self._staged_rollbacks(remote)
-            self.make_room(entry.step)
+                objects = None  # the rollback may have superseded this number: make_room lists it again
+            self.make_room(entry.step, objects)
             self.mirror.push(entry.path, entry.path.name, before_marker=self._confirm)
             remote.add(entry.step)
             self._known = set(remote)
@@ -654,7 +678,8 @@ class RemoteCheckpoints:
         abandoned one is never superseded by them."""
         doomed = staged.supersedes & remote
         if doomed:
-            rollback.start_remote_rollback(self.mirror.storage, staged.rollback_to, lambda: doomed, self._confirm)
+            rollback.start_remote_rollback(self.mirror.storage, staged.rollback_to, lambda _: doomed,
+                                            self._confirm)
         rollback.finish_remote_rollback(self.mirror.storage, self._confirm)  # also one an outage cut short
         if doomed:
             log.warning("fastio: %s: uploading step %d, staged after a rollback to step %d during an outage: %s %s "
@@ -668,12 +693,14 @@ class RemoteCheckpoints:
             records[s] = replace(record, rollback_to=record.rollback_to if left else None, supersedes=left)
         self._write_unsent(records)
 
-    def _upload(self, keep: int) -> StorageError | None:
+    def _upload(self, keep: int, listed: bool = False) -> StorageError | None:
         """:meth:`after_commit`'s work; the store's error when it was an outage (retried later), a CheckpointError
-        for any other failure (a refusal, a lost lease)."""
+        for any other failure (a refusal, a lost lease). ``listed``: ``_known`` is this commit's listing (taken by
+        :meth:`start_rollback` under the lease this confirms), not listed again."""
         try:
             self._confirm()
-            self.committed_steps()
+            if not listed:
+                self.committed_steps()
             self._push_staged(set(self._known))
             self._retain(keep)
         except LeaseLostError as err:

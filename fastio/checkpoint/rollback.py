@@ -131,11 +131,13 @@ def pending_remote_rollback(storage: Storage) -> frozenset[int]:
     return parse_rollback(text, storage.url_of(ROLLBACK_FILE))
 
 
-def start_remote_rollback(storage: Storage, floor: int, committed: Callable[[], Iterable[int]],
+def start_remote_rollback(storage: Storage, floor: int, committed: Callable[[frozenset[int]], Iterable[int]],
                           confirm: Callable[[], None]) -> list[int]:
     """:func:`start_rollback` on the store: the record written to ``PREFIX/`` after ``confirm()`` (the lease);
-    ``committed()`` lists the store's committed steps. StorageError and the lease's errors propagate."""
-    doomed = doomed_steps(pending_remote_rollback(storage), committed(), floor)
+    ``committed(pending)`` lists the store's committed steps, given the steps of the rollback record just read
+    (``pending``), so that it does not read the record again. StorageError and the lease's errors propagate."""
+    pending = pending_remote_rollback(storage)
+    doomed = doomed_steps(pending, committed(pending), floor)
     if doomed:
         confirm()
         storage.put_bytes(ROLLBACK_FILE, encode_rollback(floor, doomed))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from fastio.errors import StorageError
@@ -61,10 +61,11 @@ class DirMirror:
         os.replace(part, dest)
         fsync_dir(Path(dest).parent)
 
-    def remove(self, name: str) -> None:
-        """Delete ``NAME/``: its marker first, then its other objects (nothing outside ``NAME/``)."""
+    def remove(self, name: str, keys: Iterable[str] | None = None) -> None:
+        """Delete ``NAME/``: its marker first, then its other objects (nothing outside ``NAME/``). ``keys``: the keys
+        under ``NAME/`` when the caller has just listed them (no other writer adds any), else they are listed here."""
         sub = self.storage.child(name)
-        keys = [o.key for o in sub.list()]
+        keys = [o.key for o in sub.list()] if keys is None else list(keys)
         if self.marker in keys:
             sub.delete(self.marker)
         for key in keys:
