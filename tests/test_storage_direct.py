@@ -207,3 +207,38 @@ def test_the_stager_places_its_buffers_as_the_writer_asks():
     odd = stager.stage(state, placements={stager._buffers["m/w"].data_ptr(): 2})["m"]["w"]  # no float32 starts there
     assert torch.equal(odd, state["m"]["w"])
     assert stager.stage(state, placements={odd.data_ptr(): 2})["m"]["w"].data_ptr() == odd.data_ptr()
+
+
+class _Box:
+    """A Stateful holding a dict of tensors, loaded in place."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def state_dict(self):
+        return dict(self.tensors)
+
+    def load_state_dict(self, state):
+        for key, value in state.items():
+            self.tensors[key].copy_(value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
+def test_a_tensor_torchsnapshot_pickles_is_written_as_a_buffered_save_writes_it(tmp_path):
+    """torchsnapshot writes a dtype numpy has no type for (complex) with ``torch.save``, which writes a tensor's whole
+    storage: a placed buffer (a view into an allocation a page larger) would put a page of never-written memory into
+    the file. Its file is a buffered save's, byte for byte, at every save, and restores."""
+    gen = torch.Generator().manual_seed(0)
+    state = {"c": torch.randn(10_000, dtype=torch.complex64, generator=gen),  # 80 000 bytes: >= PLACE_BYTES
+             "w": torch.randn(30_000, generator=gen)}
+    for name, flag in (("direct", True), ("buffered", False)):
+        with Checkpointer(tmp_path / name, signals=(), engine="torchsnapshot", direct_writes=flag) as ckpt:
+            ckpt.save(1, {"box": _Box(state)}, blocking=True)
+            ckpt.save(2, {"box": _Box({k: v + 1 for k, v in state.items()})}, blocking=True)
+    for step in ("step-1", "step-2"):
+        files = [(tmp_path / name / step / "0" / "box" / "c").read_bytes() for name in ("direct", "buffered")]
+        assert files[0] == files[1], (step, len(files[0]), len(files[1]))
+    out = _Box({k: torch.zeros_like(v) for k, v in state.items()})
+    with Checkpointer(tmp_path / "direct", signals=(), read_only=True) as ckpt:
+        ckpt.restore_latest({"box": out})
+    assert all(torch.equal(out.tensors[k], v + 1) for k, v in state.items())

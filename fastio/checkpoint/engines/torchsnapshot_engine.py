@@ -889,6 +889,11 @@ class TorchSnapshotEngine:
         in a slab file: its offset there), address -> its wanted phase (see ``Engine.placements``)."""
         return dict(self._misplaced)
 
+    def placeable(self, tensor: Any) -> bool:
+        """Whether torchsnapshot writes ``tensor`` from its bytes (a dtype numpy has, or bfloat16): one it has not
+        (complex) it writes with ``torch.save``, the whole storage, a page more than a placed buffer's bytes."""
+        return tensor.dtype in _serialization.BUFFER_PROTOCOL_SUPPORTED_DTYPES
+
     def prepare(self, app: dict[str, Any]) -> tuple[dict[str, Stateful], frozenset[str]]:
         """The app as it is: torchsnapshot calls ``state_dict``/``load_state_dict`` itself; nothing is global
         (replication is said by the ``replicated`` globs instead)."""
