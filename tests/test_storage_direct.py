@@ -242,3 +242,43 @@ def test_a_tensor_torchsnapshot_pickles_is_written_as_a_buffered_save_writes_it(
     with Checkpointer(tmp_path / "direct", signals=(), read_only=True) as ckpt:
         ckpt.restore_latest({"box": out})
     assert all(torch.equal(out.tensors[k], v + 1) for k, v in state.items())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
+def test_a_buffer_whose_pieces_want_different_placements_is_not_made_anew_at_every_save(tmp_path, monkeypatch):
+    """torchsnapshot writes a tensor above its chunk size (512 MiB; here 100 000 bytes) as chunks, each its own file
+    (here every tensor is: no slabs), which want the buffer at different phases when the chunk size is no multiple of a
+    page: the buffer keeps the phase its placed chunk has (most of its pieces', ties to where it is) instead of moving
+    to whichever misplaced chunk asked first, save after save (a fresh allocation, and as much copied, every time)."""
+    from fastio.checkpoint.engines import torchsnapshot_engine
+
+    monkeypatch.setenv("TORCHSNAPSHOT_MAX_CHUNK_SIZE_BYTES_OVERRIDE", "100000")
+    monkeypatch.setattr(torchsnapshot_engine, "SLAB_BYTES", 0)
+    w = torch.randn(100_000)  # 4 chunks of 100 000 bytes: at phases 0, 1696, 3392 and 992 of the buffer's start
+    with Checkpointer(tmp_path / "c", signals=(), engine="torchsnapshot", keep=1) as ckpt:
+        addresses = []
+        for step in range(1, 5):
+            w += 1
+            ckpt.save(step, {"box": _Box({"w": w})}, blocking=True)
+            addresses.append(ckpt._stager._buffers["box/w"].data_ptr())
+    assert len(set(addresses)) == 1, [a % direct.ALIGN for a in addresses]
+    out = _Box({"w": torch.zeros_like(w)})
+    with Checkpointer(tmp_path / "c", signals=(), read_only=True) as ckpt:
+        ckpt.restore_latest({"box": out})
+    assert torch.equal(out.tensors["w"], w)
+
+
+def test_the_stager_places_a_buffer_where_most_of_its_pieces_want_it():
+    """Of the phases a buffer's pieces ask (each written at offset 0 of a file of its own), the most asked wins, and a
+    tie leaves the buffer where it is; a single ask moves it."""
+    align = direct.ALIGN
+    state = {"m": {"w": torch.randn(100_000)}}
+    stager = Stager()
+    start = stager.stage(state, placements={})["m"]["w"].data_ptr()
+    assert start % align == 0
+    most = {start + align // 2: 0, start: 0, start + align: 0}  # the start wanted at phases 2048, 0 and 0
+    assert stager.stage(state, placements=most)["m"]["w"].data_ptr() == start
+    tie = {start + align // 2: 0, start: 0}
+    assert stager.stage(state, placements=tie)["m"]["w"].data_ptr() == start
+    moved = stager.stage(state, placements={start + align // 2: 0})["m"]["w"]
+    assert moved.data_ptr() % align == align // 2 and torch.equal(moved, state["m"]["w"])

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -156,16 +156,19 @@ class Stager:
 
     def _wanted(self, placements: Mapping[int, int]) -> dict[str, int]:
         """``placements`` (addresses in this stager's buffers -> their wanted phase) as path -> the phase its buffer's
-        start should have; addresses in no buffer are ignored, the first one asked of a buffer counts."""
+        start should have; addresses in no buffer are ignored; of several phases asked of a buffer (its bytes written as
+        several files: a chunked tensor), the one most asked, where it is now on a tie (else it would move at every
+        save, to where one misplaced piece wants it and away from where the others are placed)."""
         starts = sorted((buf.data_ptr(), buf.data_ptr() + buf.nbytes, path) for path, buf in self._buffers.items()
                         if type(buf) is torch.Tensor)  # a DTensor's buffer is never placed
         keys = [start for start, _, _ in starts]
-        out: dict[str, int] = {}
+        votes: dict[str, Counter[int]] = {}
         for address, phase in placements.items():
             i = bisect.bisect_right(keys, address) - 1
             if i >= 0 and address < starts[i][1]:
-                out.setdefault(starts[i][2], (phase - (address - starts[i][0])) % ALIGN)
-        return out
+                votes.setdefault(starts[i][2], Counter())[(phase - (address - starts[i][0])) % ALIGN] += 1
+        return {path: max(asked, key=lambda phase: (asked[phase], phase == self._phases.get(path)))
+                for path, asked in votes.items()}
 
     def _buffer(self, path: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
