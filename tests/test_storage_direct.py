@@ -207,3 +207,78 @@ def test_the_stager_places_its_buffers_as_the_writer_asks():
     odd = stager.stage(state, placements={stager._buffers["m/w"].data_ptr(): 2})["m"]["w"]  # no float32 starts there
     assert torch.equal(odd, state["m"]["w"])
     assert stager.stage(state, placements={odd.data_ptr(): 2})["m"]["w"].data_ptr() == odd.data_ptr()
+
+
+class _Box:
+    """A Stateful holding a dict of tensors, loaded in place."""
+
+    def __init__(self, tensors):
+        self.tensors = tensors
+
+    def state_dict(self):
+        return dict(self.tensors)
+
+    def load_state_dict(self, state):
+        for key, value in state.items():
+            self.tensors[key].copy_(value)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
+def test_a_tensor_torchsnapshot_pickles_is_written_as_a_buffered_save_writes_it(tmp_path):
+    """torchsnapshot writes a dtype numpy has no type for (complex) with ``torch.save``, which writes a tensor's whole
+    storage: a placed buffer (a view into an allocation a page larger) would put a page of never-written memory into
+    the file. Its file is a buffered save's, byte for byte, at every save, and restores."""
+    gen = torch.Generator().manual_seed(0)
+    state = {"c": torch.randn(10_000, dtype=torch.complex64, generator=gen),  # 80 000 bytes: >= PLACE_BYTES
+             "w": torch.randn(30_000, generator=gen)}
+    for name, flag in (("direct", True), ("buffered", False)):
+        with Checkpointer(tmp_path / name, signals=(), engine="torchsnapshot", direct_writes=flag) as ckpt:
+            ckpt.save(1, {"box": _Box(state)}, blocking=True)
+            ckpt.save(2, {"box": _Box({k: v + 1 for k, v in state.items()})}, blocking=True)
+    for step in ("step-1", "step-2"):
+        files = [(tmp_path / name / step / "0" / "box" / "c").read_bytes() for name in ("direct", "buffered")]
+        assert files[0] == files[1], (step, len(files[0]), len(files[1]))
+    out = _Box({k: torch.zeros_like(v) for k, v in state.items()})
+    with Checkpointer(tmp_path / "direct", signals=(), read_only=True) as ckpt:
+        ckpt.restore_latest({"box": out})
+    assert all(torch.equal(out.tensors[k], v + 1) for k, v in state.items())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="O_DIRECT is Linux's")
+def test_a_buffer_whose_pieces_want_different_placements_is_not_made_anew_at_every_save(tmp_path, monkeypatch):
+    """torchsnapshot writes a tensor above its chunk size (512 MiB; here 100 000 bytes) as chunks, each its own file
+    (here every tensor is: no slabs), which want the buffer at different phases when the chunk size is no multiple of a
+    page: the buffer keeps the phase its placed chunk has (most of its pieces', ties to where it is) instead of moving
+    to whichever misplaced chunk asked first, save after save (a fresh allocation, and as much copied, every time)."""
+    from fastio.checkpoint.engines import torchsnapshot_engine
+
+    monkeypatch.setenv("TORCHSNAPSHOT_MAX_CHUNK_SIZE_BYTES_OVERRIDE", "100000")
+    monkeypatch.setattr(torchsnapshot_engine, "SLAB_BYTES", 0)
+    w = torch.randn(100_000)  # 4 chunks of 100 000 bytes: at phases 0, 1696, 3392 and 992 of the buffer's start
+    with Checkpointer(tmp_path / "c", signals=(), engine="torchsnapshot", keep=1) as ckpt:
+        addresses = []
+        for step in range(1, 5):
+            w += 1
+            ckpt.save(step, {"box": _Box({"w": w})}, blocking=True)
+            addresses.append(ckpt._stager._buffers["box/w"].data_ptr())
+    assert len(set(addresses)) == 1, [a % direct.ALIGN for a in addresses]
+    out = _Box({"w": torch.zeros_like(w)})
+    with Checkpointer(tmp_path / "c", signals=(), read_only=True) as ckpt:
+        ckpt.restore_latest({"box": out})
+    assert torch.equal(out.tensors["w"], w)
+
+
+def test_the_stager_places_a_buffer_where_most_of_its_pieces_want_it():
+    """Of the phases a buffer's pieces ask (each written at offset 0 of a file of its own), the most asked wins, and a
+    tie leaves the buffer where it is; a single ask moves it."""
+    align = direct.ALIGN
+    state = {"m": {"w": torch.randn(100_000)}}
+    stager = Stager()
+    start = stager.stage(state, placements={})["m"]["w"].data_ptr()
+    assert start % align == 0
+    most = {start + align // 2: 0, start: 0, start + align: 0}  # the start wanted at phases 2048, 0 and 0
+    assert stager.stage(state, placements=most)["m"]["w"].data_ptr() == start
+    tie = {start + align // 2: 0, start: 0}
+    assert stager.stage(state, placements=tie)["m"]["w"].data_ptr() == start
+    moved = stager.stage(state, placements={start + align // 2: 0})["m"]["w"]
+    assert moved.data_ptr() % align == align // 2 and torch.equal(moved, state["m"]["w"])

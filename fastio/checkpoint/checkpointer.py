@@ -588,7 +588,8 @@ class Checkpointer:
             states[RNG_KEY] = rng
             shapes.extend(agree.global_shapes(states, global_keys))
             placements = engine.placements() if self._direct_writes() else None
-            return engine, self._stager.stage(states, engine.refusal, placements), global_keys, progress
+            staged = self._stager.stage(states, engine.refusal, placements, engine.placeable)
+            return engine, staged, global_keys, progress
 
         try:
             engine, staged, global_keys, progress = self._ranks.run("stage", stage)

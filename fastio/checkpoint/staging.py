@@ -8,7 +8,8 @@ until that write has finished (the Checkpointer keeps one save in flight). CPU t
 before ``stage`` returns; GPU tensors are queued as stream-ordered copies that the writer waits for.
 
 For an engine that writes past the page cache (``O_DIRECT``, :mod:`fastio.storage.direct`), buffers are *placed*:
-a buffer of :data:`~fastio.storage.direct.PLACE_BYTES` or more starts at a page boundary, or as far past one as the
+a buffer of :data:`~fastio.storage.direct.PLACE_BYTES` or more that the engine writes from its own bytes
+(``Engine.placeable``) starts at a page boundary, or as far past one as the
 engine asked (its bytes' offset in their file, modulo :data:`~fastio.storage.direct.ALIGN`, which the engine learns
 at a write: a tensor in a slab file), so that the write hands the device the buffer itself, copying only the unaligned
 head and tail. A placed buffer is a view into an allocation :data:`~fastio.storage.direct.ALIGN` bytes larger (pinned
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import copy
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -103,6 +104,7 @@ class Stager:
         self._buffers: dict[str, torch.Tensor] = {}
         self._phases: dict[str, int | None] = {}  # path -> the phase asked of its buffer (None: not placed)
         self._placements: Mapping[int, int] | None = None
+        self._placeable: Callable[[torch.Tensor], bool] | None = None
         self._events: list = []
         self._refusal: Callable[[torch.Tensor], str | None] | None = None
         self._paths: set[str] = set()
@@ -112,17 +114,20 @@ class Stager:
         self._phases.clear()
 
     def stage(self, states: dict[str, Any], refusal: Callable[[torch.Tensor], str | None] | None = None,
-              placements: Mapping[int, int] | None = None) -> dict[str, Any]:
+              placements: Mapping[int, int] | None = None,
+              placeable: Callable[[torch.Tensor], bool] | None = None) -> dict[str, Any]:
         """Return a copy of ``states`` (a dict of state_dicts) that later changes to the originals cannot reach.
         ``refusal``: why the engine cannot write a tensor (None when it can): a CheckpointError naming its key path,
         before anything is copied. ``placements``: None for buffers as torch allocates them; else buffers of
         :data:`~fastio.storage.direct.PLACE_BYTES` or more are placed (see the module docstring), a page boundary
         but where the mapping (an address in a buffer of the last save -> how far past a page boundary it should
-        have been) asks otherwise; a buffer placed otherwise than asked is made anew."""
+        have been) asks otherwise; a buffer placed otherwise than asked is made anew. ``placeable``: whether a
+        tensor's buffer may be placed (None: all may): not one the engine writes with its whole storage."""
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         seen: set[str] = set()
         self._refusal = refusal
         self._placements = None if placements is None else self._wanted(placements)
+        self._placeable = placeable
         self._paths: set[str] = set()
         out = {key: self._walk(value, key, pairs, seen) for key, value in states.items()}
         for path in set(self._buffers) - seen:
@@ -151,21 +156,25 @@ class Stager:
 
     def _wanted(self, placements: Mapping[int, int]) -> dict[str, int]:
         """``placements`` (addresses in this stager's buffers -> their wanted phase) as path -> the phase its buffer's
-        start should have; addresses in no buffer are ignored, the first one asked of a buffer counts."""
+        start should have; addresses in no buffer are ignored; of several phases asked of a buffer (its bytes written as
+        several files: a chunked tensor), the one most asked, where it is now on a tie (else it would move at every
+        save, to where one misplaced piece wants it and away from where the others are placed)."""
         starts = sorted((buf.data_ptr(), buf.data_ptr() + buf.nbytes, path) for path, buf in self._buffers.items()
                         if type(buf) is torch.Tensor)  # a DTensor's buffer is never placed
         keys = [start for start, _, _ in starts]
-        out: dict[str, int] = {}
+        votes: dict[str, Counter[int]] = {}
         for address, phase in placements.items():
             i = bisect.bisect_right(keys, address) - 1
             if i >= 0 and address < starts[i][1]:
-                out.setdefault(starts[i][2], (phase - (address - starts[i][0])) % ALIGN)
-        return out
+                votes.setdefault(starts[i][2], Counter())[(phase - (address - starts[i][0])) % ALIGN] += 1
+        return {path: max(asked, key=lambda phase: (asked[phase], phase == self._phases.get(path)))
+                for path, asked in votes.items()}
 
     def _buffer(self, path: str, t: torch.Tensor) -> torch.Tensor:
         buf = self._buffers.get(path)
         phase = None  # the phase asked of the buffer (kept when it cannot be had: not asked again at every save)
-        if self._placements is not None and t.nelement() * t.element_size() >= PLACE_BYTES:
+        if self._placements is not None and t.nelement() * t.element_size() >= PLACE_BYTES \
+                and (self._placeable is None or self._placeable(t)):
             before = self._phases.get(path)
             phase = self._placements.get(path, 0 if before is None else before)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype or self._phases.get(path) != phase:

@@ -75,7 +75,7 @@ class DirectFile:
 
     ``copied``: the bytes that went through the buffers. ``misplaced``: ``(address, nbytes, phase)`` of each run of at
     least :data:`PLACE_BYTES` given at once and copied whole because its address was not ``phase`` past a page
-    boundary, as its file offset is."""
+    boundary, as its file offset is; ``placed``: the same of each such run written from where it is."""
 
     def __init__(self, fd: int):
         self.fd = fd
@@ -84,6 +84,7 @@ class DirectFile:
         self.arrays = [np.frombuffer(buf, dtype=np.uint8) for buf in bufs]  # copies into them release the GIL
         self.current, self.fill, self.size, self.copied = 0, 0, 0, 0
         self.misplaced: list[tuple[int, int, int]] = []
+        self.placed: list[tuple[int, int, int]] = []
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="fastio-direct-write")
         self.pending: Future | None = None
 
@@ -99,6 +100,8 @@ class DirectFile:
                 self.misplaced.append((address, n, self.size % ALIGN))
             self._copy(src)
         else:  # placed: the head completes the buffer's last block, the aligned body is written from where it is
+            if n >= PLACE_BYTES:
+                self.placed.append((address, n, self.size % ALIGN))
             body = (n - head) // ALIGN * ALIGN
             self._copy(src[:head])
             if self.fill:

@@ -145,6 +145,12 @@ class Engine(Protocol):
         (buffers then start at page boundaries)."""
         ...
 
+    def placeable(self, tensor: Any) -> bool:
+        """Whether a save written ``direct`` writes ``tensor``'s staged buffer from its own bytes (then the Stager
+        may place it, :meth:`placements`): not where the engine serialises the buffer's whole storage (``torch.save``),
+        which for a placed buffer, a view into a larger allocation, would write bytes that are no part of it."""
+        ...
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]] | None:

@@ -882,6 +882,10 @@ class DcpEngine:
         """None: DCP writes through the page cache (its ``torch.save`` would clone a placed buffer, a view)."""
         return None
 
+    def placeable(self, tensor: Any) -> bool:
+        """False: nothing is placed (:meth:`placements`)."""
+        return False
+
     def save(self, path: Path, states: dict[str, dict[str, Any]], *, pg: Any = None,
              replicated: Sequence[str] = (), global_keys: Sequence[str] = (),
              writeback: bool = True, direct: bool = False) -> dict[str, dict[str, Any]]:

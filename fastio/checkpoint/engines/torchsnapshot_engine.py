@@ -396,9 +396,9 @@ class _LaterErrors(FSStoragePlugin):
     :data:`_WRITEBACK_BYTES`: the commit's fsyncs then find the bytes written or on their way, instead of writing all
     of them at once); or, with ``direct``, writing each file past the page cache (:mod:`fastio.storage.direct`: the
     bytes on the device as the write returns, no writeback to start; ``direct_bytes``: the bytes so written,
-    ``copied``: those of them that went through its
-    aligned buffers, ``misplaced``: address -> phase of the staged bytes copied for want of a placement, for the
-    Stager to place at the next save), through the page cache where the file system refuses ``O_DIRECT``.
+    ``copied``: those of them that went through its aligned buffers, ``misplaced``: address -> phase of the staged
+    bytes copied for want of a placement, for the Stager to place at the next save, ``placed``: the same of those
+    written from where they were), through the page cache where the file system refuses ``O_DIRECT``.
 
     A write that raises on one rank makes ``Snapshot.take`` leave on that rank while the others wait in its
     next collective: both hang (gloo's timeout is 30 minutes). Kept here, the error leaves the take after every
@@ -411,6 +411,7 @@ class _LaterErrors(FSStoragePlugin):
         self.written: dict[str, dict[str, Any]] = {}
         self.direct_bytes = self.copied = 0
         self.misplaced: dict[int, int] = {}
+        self.placed: dict[int, int] = {}
 
     async def write(self, write_io: WriteIO) -> None:
         if self.error is not None:
@@ -475,6 +476,7 @@ class _LaterErrors(FSStoragePlugin):
                 size = out.finish()
                 self.direct_bytes, self.copied = self.direct_bytes + size, self.copied + out.copied
                 self.misplaced.update((address, phase) for address, _, phase in out.misplaced)
+                self.placed.update((address, phase) for address, _, phase in out.placed)
             finally:
                 out.close()
         finally:
@@ -883,11 +885,19 @@ class TorchSnapshotEngine:
         """Bytes the last save wrote past the page cache, and those of them that went through the aligned buffers
         (only each file's unaligned pieces once every staged buffer is placed as its file offset)."""
         self._misplaced: dict[int, int] = {}
+        self._placed: dict[int, int] = {}
 
     def placements(self) -> dict[int, int]:
         """Where the last save's direct writes found staged bytes placed otherwise than their file offsets (a tensor
-        in a slab file: its offset there), address -> its wanted phase (see ``Engine.placements``)."""
-        return dict(self._misplaced)
+        in a slab file: its offset there), address -> its wanted phase (see ``Engine.placements``); where some were,
+        also the bytes that were placed right (a buffer written as several files, a chunked tensor's, may want several
+        phases: the Stager weighs them)."""
+        return {**self._placed, **self._misplaced} if self._misplaced else {}
+
+    def placeable(self, tensor: Any) -> bool:
+        """Whether torchsnapshot writes ``tensor`` from its bytes (a dtype numpy has, or bfloat16): one it has not
+        (complex) it writes with ``torch.save``, the whole storage, a page more than a placed buffer's bytes."""
+        return tensor.dtype in _serialization.BUFFER_PROTOCOL_SUPPORTED_DTYPES
 
     def prepare(self, app: dict[str, Any]) -> tuple[dict[str, Stateful], frozenset[str]]:
         """The app as it is: torchsnapshot calls ``state_dict``/``load_state_dict`` itself; nothing is global
@@ -925,7 +935,8 @@ class TorchSnapshotEngine:
         app = {key: Frozen(state) for key, state in states.items()}
         with _write_settings():
             storage = _take(str(path), app, pg, list(replicated), writeback, direct)
-        self.direct_bytes, self.direct_copied, self._misplaced = storage.direct_bytes, storage.copied, storage.misplaced
+        self.direct_bytes, self.direct_copied = storage.direct_bytes, storage.copied
+        self._misplaced, self._placed = storage.misplaced, storage.placed
         return storage.written
 
     def reads(self, files: Sequence[str], saved_world: int, world: int) -> dict[str, int]:
