@@ -209,6 +209,22 @@ def test_the_stager_places_its_buffers_as_the_writer_asks():
     assert stager.stage(state, placements={odd.data_ptr(): 2})["m"]["w"].data_ptr() == odd.data_ptr()
 
 
+@pytest.mark.gpu
+def test_a_gpu_tensors_pinned_buffer_is_placed_by_its_exact_size_at_a_page_only():
+    """torch's CUDA host allocator rounds a pinned block up to a power of two: a buffer one page larger than a 64 MiB
+    weight would take 128 MiB of page-locked memory. A pinned buffer is placed at a page boundary by its exact size,
+    and one a slab's offset would place elsewhere stays a plain pinned buffer (its bytes copied at the write)."""
+    w = torch.randn(4096, 4096, device="cuda")
+    stager = Stager()
+    buf = stager.stage({"m": {"w": w}}, placements={})["m"]["w"]
+    stager.wait_copies()
+    assert buf.is_pinned() and buf.data_ptr() % direct.ALIGN == 0
+    assert buf.untyped_storage().nbytes() == w.nbytes and torch.equal(buf, w.cpu())
+    other = stager.stage({"m": {"w": w}}, placements={buf.data_ptr(): 64})["m"]["w"]
+    stager.wait_copies()
+    assert other.is_pinned() and other.untyped_storage().nbytes() == w.nbytes and torch.equal(other, w.cpu())
+
+
 class _Box:
     """A Stateful holding a dict of tensors, loaded in place."""
 

@@ -12,9 +12,11 @@ a buffer of :data:`~fastio.storage.direct.PLACE_BYTES` or more that the engine w
 (``Engine.placeable``) starts at a page boundary, or as far past one as the
 engine asked (its bytes' offset in their file, modulo :data:`~fastio.storage.direct.ALIGN`, which the engine learns
 at a write: a tensor in a slab file), so that the write hands the device the buffer itself, copying only the unaligned
-head and tail. A placed buffer is a view into an allocation :data:`~fastio.storage.direct.ALIGN` bytes larger (pinned
-as the other buffers are: the CUDA host allocator's blocks are page-aligned anyway, the offset is taken from the
-address).
+head and tail. A placed buffer is a view into an allocation :data:`~fastio.storage.direct.ALIGN` bytes larger; a
+pinned one (the source on a GPU) is placed only at a page boundary, by its exact size: torch's CUDA host allocator
+rounds each block up to a power of two and starts it at a page, so a page more could double the page-locked memory
+(a 64 MiB weight's buffer would take 128 MiB); one a slab's offset would place elsewhere is copied instead. Pinned
+placement is not run here (no GPU on the development machine).
 
 A ``DTensor`` (FSDP2, tensor parallel) is staged by its local shard: the buffer is a CPU DTensor with the
 original's mesh, placements and global shape, whose local tensor is refilled on every save, so the engine
@@ -68,11 +70,20 @@ def _placed(t: torch.Tensor, pin: bool, phase: int) -> torch.Tensor | None:
     size = t.element_size()
     if phase % size:
         return None
+    if pin:  # torch's CUDA host allocator rounds a block up to a power of two: ALIGN more could double it
+        return _pinned_at_a_page(t) if phase == 0 else None
     raw = torch.empty(t.nelement() * size + ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pin)
     skip = (phase - raw.data_ptr()) % ALIGN
     if skip % size:
         return None
     return raw[skip:skip + t.nelement() * size].view(t.dtype).view(t.shape)
+
+
+def _pinned_at_a_page(t: torch.Tensor) -> torch.Tensor | None:
+    """A pinned empty CPU tensor like ``t`` of its exact size when it starts at a page boundary (the host
+    allocator's blocks are whole page-locked allocations, so they do), else None (a plain pinned buffer, copied)."""
+    buf = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
+    return buf if buf.data_ptr() % ALIGN == 0 else None
 
 
 class Frozen:
