@@ -30,26 +30,33 @@ SIZES = [
 ]
 
 
+def _write_direct(path, pieces) -> direct.DirectFile:
+    """``pieces`` (byte views) written to a new file at ``path`` through a DirectFile, finished and closed; the
+    DirectFile (its ``size``, ``copied``, ``misplaced``). Skips where the file system refuses ``O_DIRECT``."""
+    fd = direct.open_direct(str(path))
+    if fd is None:
+        pytest.skip(f"{path.parent}'s file system refuses O_DIRECT")
+    try:
+        out = direct.DirectFile(fd)
+        try:
+            for piece in pieces:
+                out.write(piece)
+            out.finish()
+        finally:
+            out.close()
+    finally:
+        os.close(fd)
+    return out
+
+
 @pytest.mark.parametrize("sizes", SIZES, ids=lambda s: "+".join(map(str, s)))
 def test_a_direct_file_holds_exactly_the_bytes_written(tmp_path, sizes):
     """Pieces of any size, across chunk and block boundaries: the file is their concatenation, no padding left."""
     gen = torch.Generator().manual_seed(sum(sizes))
     pieces = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=gen).numpy().tobytes() for n in sizes]
     path = tmp_path / "f"
-    fd = direct.open_direct(str(path))
-    if fd is None:
-        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
-    try:
-        out = direct.DirectFile(fd)
-        try:
-            for piece in pieces:
-                out.write(memoryview(piece))
-            assert out.finish() == sum(sizes)
-        finally:
-            out.close()
-    finally:
-        os.close(fd)
-    assert path.read_bytes() == b"".join(pieces)
+    out = _write_direct(path, [memoryview(piece) for piece in pieces])
+    assert out.size == sum(sizes) and path.read_bytes() == b"".join(pieces)
 
 
 def test_placed_bytes_are_written_from_where_they_are(tmp_path):
@@ -63,20 +70,8 @@ def test_placed_bytes_are_written_from_where_they_are(tmp_path):
     whole = memoryview(memory)
     pieces = [whole[0:5], whole[5:5 + 20 * align], whole[100:100 + 17 * align + 3], whole[align:3 * align]]
     path = tmp_path / "f"
-    fd = direct.open_direct(str(path))
-    if fd is None:
-        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT")
-    try:
-        out = direct.DirectFile(fd)
-        try:
-            for piece in pieces:
-                out.write(piece)
-            assert out.finish() == sum(p.nbytes for p in pieces)
-        finally:
-            out.close()
-    finally:
-        os.close(fd)
-    assert path.read_bytes() == b"".join(bytes(p) for p in pieces)
+    out = _write_direct(path, pieces)
+    assert out.size == sum(p.nbytes for p in pieces) and path.read_bytes() == b"".join(bytes(p) for p in pieces)
     # 5 (no block), 20 blocks at phase 5: head 4091 + tail 5 copied; then two pieces placed otherwise, copied whole
     assert out.copied == 5 + (align - 5) + 5 + (17 * align + 3) + 2 * align
     third = np.frombuffer(pieces[2], dtype=np.uint8).ctypes.data
