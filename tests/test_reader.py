@@ -241,3 +241,26 @@ def _png(w: int, h: int) -> bytes:
     out = io.BytesIO()
     Image.new("RGB", (w, h), (w, h, 7)).save(out, "PNG")
     return out.getvalue()
+
+
+def test_a_pool_threads_start_up_wait_ends_when_a_thread_never_comes(monkeypatch):
+    """``Reader.deferred`` starts the pool's threads, each waiting for the others; a pool that never makes the last
+    one must not keep the others waiting (the interpreter's exit joins them): each wait ends after ``_START_WAIT``."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastio.read import reader as reader_module
+
+    monkeypatch.setattr(reader_module, "_START_WAIT", 0.3)
+    barrier = threading.Barrier(3)
+    pool = ThreadPoolExecutor(2)  # three parties, two threads: the third never comes
+    try:
+        start = time.monotonic()
+        waits = [pool.submit(reader_module._started, barrier) for _ in range(3)]
+        for wait in waits:
+            wait.result(timeout=10)
+        assert barrier.broken and time.monotonic() - start < 5
+    finally:
+        barrier.abort()  # without the timeout: let the waiting threads go, so the test fails instead of hanging
+        pool.shutdown(wait=False)

@@ -551,10 +551,16 @@ class _Deferred(Future):
         return super().result(timeout)
 
 
+_START_WAIT = 10.0
+"""Seconds a pool thread started by :meth:`Reader.deferred` waits for the others at most: a thread that never comes
+(the pool made no more) must not keep the ones waiting, and with them the interpreter's exit, which joins them."""
+
+
 def _started(barrier: threading.Barrier) -> None:
-    """A pool task that returns once every thread of the pool has started (or the reader closed)."""
+    """A pool task that returns once every thread of the pool has started (or the reader closed, or
+    :data:`_START_WAIT` passed)."""
     try:
-        barrier.wait()
+        barrier.wait(_START_WAIT)
     except threading.BrokenBarrierError:
         pass
 
