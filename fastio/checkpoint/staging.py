@@ -72,7 +72,7 @@ def _placed(t: torch.Tensor, pin: bool, phase: int) -> torch.Tensor | None:
         return None
     if pin:  # torch's CUDA host allocator rounds a block up to a power of two: ALIGN more could double it
         return _pinned_at_a_page(t) if phase == 0 else None
-    raw = torch.empty(t.nelement() * size + ALIGN, dtype=torch.uint8, device="cpu", pin_memory=pin)
+    raw = torch.empty(t.nelement() * size + ALIGN, dtype=torch.uint8, device="cpu")  # not pinned: returned above
     skip = (phase - raw.data_ptr()) % ALIGN
     if skip % size:
         return None
